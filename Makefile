@@ -1,0 +1,27 @@
+# Two user-facing targets: `make demo` and `make test`. Both set up .venv first (idempotent).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+DATA ?= datasets/synthetic
+PRESET ?= small
+SEED ?= 0
+
+.PHONY: setup demo test clean-data
+
+setup: $(STAMP)
+
+# Re-run only when the dependency declarations or the setup scripts change.
+$(STAMP): pyproject.toml tools/setup_env.sh tools/install_detectron2_pypi.py
+	bash tools/setup_env.sh
+	touch $@
+
+demo: setup
+	$(PY) -m transfer.datasets.synthetic --out $(DATA) --preset $(PRESET) --seed $(SEED)
+
+# One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores.
+test: setup
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest
+
+clean-data:
+	rm -rf $(DATA)

@@ -1,0 +1,1 @@
+"""Contrastive self-supervised pretraining of ResNets on Accelerate (MoCo, SimCLR, EqCo, SiMo, ...)."""

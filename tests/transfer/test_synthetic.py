@@ -1,0 +1,206 @@
+"""The synthetic datasets are read by the real readers (detectron2, pycocotools, torchvision) and
+agree with what the generator says it wrote."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from transfer.datasets.synthetic import COCO_CATEGORIES, VOC_CLASSES, generate
+
+VOC_SPLITS = [("VOC2007", "trainval"), ("VOC2007", "train"), ("VOC2007", "val"), ("VOC2007", "test"),
+              ("VOC2012", "trainval")]
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_same_seed_same_bytes_regardless_of_workers(synthetic_root, tmp_path):
+    generate(tmp_path / "again", seed=0, preset="tiny", workers=2)
+    assert _tree_digest(tmp_path / "again") == _tree_digest(synthetic_root)
+    generate(tmp_path / "other", seed=1, preset="tiny", workers=1)
+    a = (synthetic_root / "VOC2007" / "JPEGImages" / "000001.jpg").read_bytes()
+    assert (tmp_path / "other" / "VOC2007" / "JPEGImages" / "000001.jpg").read_bytes() != a
+
+
+def test_imagenet_imagefolder(synthetic_root, synthetic_manifest):
+    from torchvision.datasets import ImageFolder
+
+    for split in ("train", "val"):
+        ds = ImageFolder(str(synthetic_root / "imagenet" / split))
+        expected = synthetic_manifest["imagenet"][split]
+        assert sorted(ds.classes) == sorted(synthetic_manifest["imagenet"]["classes"])
+        assert len(ds.classes) >= 10
+        assert len(ds) == expected["images"]
+        counts = Counter(ds.classes[t] for t in ds.targets)
+        assert counts == Counter(expected["per_class"])
+        image, target = ds[0]
+        assert image.mode == "RGB" and min(image.size) >= 64
+        assert ds.samples[0][0].endswith(".JPEG")
+
+
+@pytest.mark.parametrize("year,split", VOC_SPLITS)
+def test_voc_read_by_detectron2(synthetic_root, synthetic_manifest, year, split):
+    from detectron2.data.datasets.pascal_voc import load_voc_instances
+
+    expected = synthetic_manifest[year]["splits"][split]
+    dicts = load_voc_instances(str(synthetic_root / year), split, VOC_CLASSES)
+    assert [d["image_id"] for d in dicts] == expected["ids"]
+    for d in dicts:
+        with Image.open(d["file_name"]) as im:
+            assert im.size == (d["width"], d["height"])
+        names = [VOC_CLASSES[a["category_id"]] for a in d["annotations"]]
+        assert names == [name for name, _ in expected["objects"][d["image_id"]]]
+        for a in d["annotations"]:
+            x0, y0, x1, y1 = a["bbox"]
+            assert 0 <= x0 < x1 <= d["width"] and 0 <= y0 < y1 <= d["height"]
+
+
+def _xml_objects(path: Path) -> list[tuple[str, int, tuple[int, ...]]]:
+    objs = ET.parse(path).getroot().findall("object")
+    return [(o.findtext("name"), int(o.findtext("difficult")),
+             tuple(int(o.find("bndbox").findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax")))
+            for o in objs]
+
+
+@pytest.mark.parametrize("year,split", VOC_SPLITS)
+def test_voc_difficult_flags_and_per_class_files_agree_with_xml(synthetic_root, synthetic_manifest,
+                                                                year, split):
+    root = synthetic_root / year
+    expected = synthetic_manifest[year]["splits"][split]
+    ids = (root / "ImageSets" / "Main" / f"{split}.txt").read_text().split()
+    assert ids == expected["ids"]
+    objects = {i: _xml_objects(root / "Annotations" / f"{i}.xml") for i in ids}
+    for i in ids:
+        assert [[n, d] for n, d, _ in objects[i]] == expected["objects"][i]
+    for cls in VOC_CLASSES:
+        lines = (root / "ImageSets" / "Main" / f"{cls}_{split}.txt").read_text().splitlines()
+        labels = dict((parts[0], int(parts[1])) for parts in (line.split() for line in lines))
+        assert list(labels) == ids
+        for i in ids:
+            flags = [d for n, d, _ in objects[i] if n == cls]
+            want = -1 if not flags else (1 if 0 in flags else 0)  # 0: present only as difficult
+            assert labels[i] == want, (cls, split, i)
+
+
+def test_voc_has_difficult_objects_and_difficult_only_labels(synthetic_root, synthetic_manifest):
+    splits = synthetic_manifest["VOC2007"]["splits"]
+    for split in ("trainval", "test"):
+        flags = [d for objs in splits[split]["objects"].values() for _, d in objs]
+        assert 0 < sum(flags) < len(flags), split
+    zeros = sum(line.split()[1] == "0"
+                for f in (synthetic_root / "VOC2007" / "ImageSets" / "Main").glob("*_trainval.txt")
+                for line in f.read_text().splitlines())
+    assert zeros > 0
+
+
+def test_voc_splits_are_disjoint_and_2012_is_trainval_only(synthetic_root):
+    main07 = synthetic_root / "VOC2007" / "ImageSets" / "Main"
+    read = lambda p: set(p.read_text().split())  # noqa: E731
+    train, val, trainval, test = (read(main07 / f"{s}.txt") for s in ("train", "val", "trainval", "test"))
+    assert train | val == trainval and not train & val and not trainval & test
+    main12 = synthetic_root / "VOC2012" / "ImageSets" / "Main"
+    assert sorted(p.name for p in main12.glob("*.txt") if "_" not in p.name) == ["trainval.txt"]
+
+
+@pytest.mark.parametrize("split", ["train2017", "val2017"])
+def test_coco_read_by_pycocotools_and_detectron2(synthetic_root, synthetic_manifest, split):
+    from detectron2.data.datasets.coco import load_coco_json
+    from pycocotools.coco import COCO
+
+    json_file = synthetic_root / "coco" / "annotations" / f"instances_{split}.json"
+    coco = COCO(str(json_file))
+    expected = synthetic_manifest["coco"][split]
+    assert len(coco.getImgIds()) == expected["images"]
+    assert len(coco.getAnnIds()) == expected["annotations"]
+    ids = sorted(coco.getCatIds())
+    assert len(ids) == 80 and ids[-1] == 90 and ids != list(range(1, 81))  # non-contiguous, as COCO
+    per_category = Counter(a["category_id"] for a in coco.dataset["annotations"])
+    assert {str(k): v for k, v in per_category.items()} == expected["per_category"]
+
+    tight = 0
+    for ann in coco.dataset["annotations"]:
+        img = coco.imgs[ann["image_id"]]
+        x, y, w, h = ann["bbox"]
+        assert 0 <= x and 0 <= y and x + w <= img["width"] and y + h <= img["height"]
+        assert 0 < ann["area"] <= w * h and ann["iscrowd"] == 0
+        # Re-rasterize the outline: the box (of the visible pixels) lies within the outline's
+        # pixels, and equals their extent when the object is fully visible.
+        outline = Image.new("L", (img["width"], img["height"]))
+        ImageDraw.Draw(outline).polygon(ann["segmentation"][0], fill=1, outline=1)
+        ys, xs = np.nonzero(np.asarray(outline))
+        extent = (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)
+        assert extent[0] - 1 <= x and extent[1] - 1 <= y and x + w <= extent[2] + 1 and y + h <= extent[3] + 1
+        if len(xs) == ann["area"]:  # nothing hidden
+            tight += 1
+            assert np.allclose((x, y, x + w, y + h), extent, atol=1), (ann, extent)
+    assert tight >= len(coco.dataset["annotations"]) // 4
+
+    dicts = load_coco_json(str(json_file), str(synthetic_root / "coco" / split), f"synthetic_test_{split}")
+    assert len(dicts) == expected["images"]
+    assert sum(len(d["annotations"]) for d in dicts) == expected["annotations"]
+    for d in dicts:
+        assert Path(d["file_name"]).is_file()
+
+
+def test_coco_categories_are_the_real_ones():
+    from detectron2.data.datasets.builtin_meta import COCO_CATEGORIES as D2
+
+    assert [(c["id"], c["name"]) for c in D2 if c["isthing"]] == list(COCO_CATEGORIES)
+
+
+def test_places205_file_lists(synthetic_root, synthetic_manifest):
+    root = synthetic_root / "places205"
+    images = root / "data" / "vision" / "torralba" / "deeplearning" / "images256"
+    for split in ("train", "val"):
+        lines = (root / "trainvalsplit_places205" / f"{split}_places205.csv").read_text().splitlines()
+        pairs = [line.split(" ") for line in lines]
+        assert all(len(p) == 2 for p in pairs)
+        labels = Counter(int(label) for _, label in pairs)
+        classes = synthetic_manifest["places205"]["classes"]
+        assert len(lines) == synthetic_manifest["places205"][split]["images"]
+        assert sorted(labels) == list(range(len(classes)))
+        for rel, label in pairs:
+            assert rel.startswith(classes[int(label)] + "/") and (images / rel).is_file()
+
+
+def test_cli_rerun_is_a_noop_and_foreign_data_is_refused(tmp_path):
+    cmd = [sys.executable, "-m", "transfer.datasets.synthetic", "--out", str(tmp_path), "--preset", "tiny"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    manifest = tmp_path / "manifest.json"
+    before = manifest.stat().st_mtime_ns
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    assert manifest.stat().st_mtime_ns == before and "VOC2007" in out
+
+    foreign = tmp_path / "foreign"
+    (foreign / "coco").mkdir(parents=True)
+    (foreign / "coco" / "mine.txt").write_text("keep me")
+    res = subprocess.run(cmd[:4] + [str(foreign)], capture_output=True, text=True)
+    assert res.returncode != 0 and "--force" in res.stderr
+    assert (foreign / "coco" / "mine.txt").read_text() == "keep me"
+
+    res = subprocess.run(cmd[:-1] + ["huge"], capture_output=True, text=True)
+    assert res.returncode != 0 and "huge" in res.stderr
+
+
+def test_detectron2_builds_faster_rcnn_r50_fpn_on_cpu():
+    from detectron2.config import get_cfg
+    from detectron2.model_zoo import get_config_file
+    from detectron2.modeling import build_model
+
+    cfg = get_cfg()
+    cfg.merge_from_file(get_config_file("COCO-Detection/faster_rcnn_R_50_FPN_1x.yaml"))
+    cfg.MODEL.DEVICE = "cpu"
+    model = build_model(cfg)
+    assert type(model).__name__ == "GeneralizedRCNN"
+    assert sorted(model.backbone.output_shape()) == ["p2", "p3", "p4", "p5", "p6"]

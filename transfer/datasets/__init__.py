@@ -1,0 +1,1 @@
+"""Dataset generators and readers used by the transfer protocols."""
