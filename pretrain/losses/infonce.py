@@ -1,0 +1,212 @@
+"""The InfoNCE family as pure functions, plus a thin module (MoCo, SimCLR, EqCo, SiMo).
+
+Conventions: N local anchors, K negatives per anchor, d embedding size, inputs are cosine
+similarities of L2-normalized embeddings. The positive sits at logit index 0.
+
+Logits and similarities are computed in (at least) fp32 with autocast disabled: with
+temperatures of 0.07-0.2 and 65536-column queues, fp16/bf16 logits lose the positive's
+margin in rounding. float64 inputs stay float64 (tests use it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "info_nce",
+    "eqco_margin",
+    "mi_lower_bound",
+    "sample_negatives",
+    "in_batch_similarities",
+    "nt_xent_similarities",
+    "InfoNCELoss",
+    "SAMPLING_MODES",
+]
+
+SAMPLING_MODES = ("per_query", "per_batch")
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _no_autocast(x: torch.Tensor) -> torch.autocast:
+    # Explicit casts are not enough: CUDA autocast would run a matmul on fp32 inputs in fp16.
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+def info_nce(
+    pos: torch.Tensor,
+    neg: torch.Tensor,
+    temperature: float,
+    margin: float | torch.Tensor = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """InfoNCE with an optional additive margin on the positive (EqCo paper, Eq. 1).
+
+    Per anchor n, with s0 = pos[n] and s_i = neg[n, i]:
+        L_n = -log( e^{(s0 - m)/τ} / ( e^{(s0 - m)/τ} + Σ_{i=1..K} e^{s_i/τ} ) )
+    computed as cross-entropy of logits = cat([pos - m, neg]) / τ with label 0.
+
+    Args:
+        pos: (N,) positive cosines. neg: (N, K) negative cosines.
+        margin: float or (N,) tensor m, subtracted from the positive cosine before dividing by τ.
+        reduction: "mean" | "sum" | "none" (then returns (N,)).
+    Returns: scalar (or (N,)) loss in fp32 (fp64 for fp64 inputs).
+    """
+    with _no_autocast(pos):
+        pos, neg = _fp32(pos), _fp32(neg)
+        if isinstance(margin, torch.Tensor):
+            margin = _fp32(margin)
+        logits = torch.cat([(pos - margin).unsqueeze(1), neg], dim=1) / temperature
+        labels = torch.zeros(pos.shape[0], dtype=torch.long, device=pos.device)
+        return F.cross_entropy(logits, labels, reduction=reduction)
+
+
+def eqco_margin(temperature: float, alpha: float, k: int) -> float:
+    """EqCo margin m = τ·log(α/K) for K physical negatives "equivalent" to α (paper Eq. 5).
+
+    Margin form of scaling the negative sum by α/K: multiplying numerator and denominator of
+    -log( e^{s0/τ} / (e^{s0/τ} + (α/K) Σ e^{s_i/τ}) ) by e^{-m/τ} gives :func:`info_nce` with
+    margin m. m > 0 (positive penalized) when K < α; m = 0 when K = α.
+    """
+    if not alpha > 0:
+        raise ValueError(f"EqCo alpha must be > 0, got alpha={alpha}")
+    if not k > 0:
+        raise ValueError(f"EqCo needs k > 0 negatives per query, got k={k}")
+    return temperature * math.log(alpha / k)
+
+
+def mi_lower_bound(loss: float | torch.Tensor, alpha_or_k: float) -> float | torch.Tensor:
+    """Empirical mutual-information lower bound log(1 + n) − loss (EqCo paper, Eq. 4 and 6).
+
+    The paper's bound is log(1 + K·e^{m/τ}) − L. Pass n = α when the EqCo margin
+    m = τ·log(α/K) is used (then K·e^{m/τ} = α and the bound no longer depends on K), and
+    n = K for plain InfoNCE (m = 0: Oord et al.'s log(K + 1) − L). Uses log(1 + α), not the
+    log α of the approximation in the spec sheet; the two differ by < 1/α.
+    """
+    return math.log1p(alpha_or_k) - loss
+
+
+def sample_negatives(
+    neg: torch.Tensor,
+    k: int,
+    mode: str = "per_query",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Choose k of the K negative columns uniformly without replacement: (N, K) -> (N, k).
+
+    mode="per_query": an independent choice for each row (EqCo's "K negatives per query").
+    mode="per_batch": one choice shared by all rows (cheaper).
+    ``generator`` must live on ``neg.device``. Gradients flow to the selected entries.
+    """
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
+    n, available = neg.shape
+    if not 0 < k <= available:
+        raise ValueError(f"cannot sample k={k} negatives without replacement from {available} available")
+    if mode == "per_batch":
+        return neg[:, torch.randperm(available, generator=generator, device=neg.device)[:k]]
+    # The top-k of i.i.d. uniforms is a uniformly random k-subset, one per row.
+    scores = torch.rand(n, available, generator=generator, device=neg.device)
+    return neg.gather(1, scores.topk(k, dim=1).indices)
+
+
+def in_batch_similarities(
+    q: torch.Tensor, keys: torch.Tensor, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positive and in-batch negative cosines of local queries against gathered keys.
+
+    Args:
+        q: (N, d) normalized local queries. keys: (M, d) normalized candidates (usually the
+            gathered batch, M = B) whose row ``offset + i`` is the positive of q[i].
+        offset: ``dist.rank_offset(N)`` for gathered keys, 0 in one process.
+    Returns: pos (N,), neg (N, M-1): all other keys, in key order (positive column removed).
+    Used by SiMo (keys from the momentum encoder) and SimCLR-style hosts.
+    """
+    with _no_autocast(q):
+        sim = _fp32(q) @ _fp32(keys).T
+    n, m = sim.shape
+    rows = torch.arange(n, device=sim.device)
+    keep = torch.ones_like(sim, dtype=torch.bool)
+    keep[rows, rows + offset] = False
+    return sim[rows, rows + offset], sim[keep].view(n, m - 1)
+
+
+def nt_xent_similarities(
+    z1: torch.Tensor,
+    z2: torch.Tensor,
+    z1_all: torch.Tensor,
+    z2_all: torch.Tensor,
+    offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SimCLR NT-Xent similarities for local anchors against gathered candidates.
+
+    Args:
+        z1, z2: (N, d) normalized local embeddings of view 1 and view 2.
+        z1_all, z2_all: (B, d) the same gathered over ranks (with gradient for SimCLR).
+        offset: ``dist.rank_offset(N)``; z1[i] is row ``offset + i`` of z1_all.
+    Returns: pos (2N,), neg (2N, 2B-2), anchors ordered [z1 rows; z2 rows].
+        Anchor z1[i]: positive z2_all[offset+i]; negatives [other rows of z2_all, rows of
+        z1_all except itself] (TF's [ab | aa] blocks). Symmetrically for z2[i].
+    """
+    pos_a, neg_ab = in_batch_similarities(z1, z2_all, offset)
+    _, neg_aa = in_batch_similarities(z1, z1_all, offset)  # drops the self-similarity
+    pos_b, neg_ba = in_batch_similarities(z2, z1_all, offset)
+    _, neg_bb = in_batch_similarities(z2, z2_all, offset)
+    neg = torch.cat([torch.cat([neg_ab, neg_aa], dim=1), torch.cat([neg_ba, neg_bb], dim=1)])
+    return torch.cat([pos_a, pos_b]), neg
+
+
+class InfoNCELoss(nn.Module):
+    """InfoNCE / EqCo loss on precomputed similarities: forward(pos (N,), neg (N, K)) -> loss.
+
+    Args:
+        temperature: τ.
+        alpha: EqCo's equivalent negative count; None for plain InfoNCE. The margin
+            τ·log(α/K) uses the K actually contrasted per query (after sampling).
+        num_negatives: if set, sample this many of the K negatives per step (``sampling``).
+        sampling: "per_query" | "per_batch" (see :func:`sample_negatives`).
+        reduction: "mean" | "sum" | "none".
+    """
+
+    def __init__(
+        self,
+        temperature: float,
+        alpha: float | None = None,
+        num_negatives: int | None = None,
+        sampling: str = "per_query",
+        reduction: str = "mean",
+    ) -> None:
+        super().__init__()
+        if sampling not in SAMPLING_MODES:
+            raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {sampling!r}")
+        if alpha is not None and not alpha > 0:
+            raise ValueError(f"EqCo alpha must be > 0, got alpha={alpha}")
+        self.temperature = temperature
+        self.alpha = alpha
+        self.num_negatives = num_negatives
+        self.sampling = sampling
+        self.reduction = reduction
+
+    def forward(self, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+        if self.num_negatives is not None:
+            neg = sample_negatives(neg, self.num_negatives, self.sampling)
+        margin = 0.0 if self.alpha is None else eqco_margin(self.temperature, self.alpha, neg.shape[1])
+        return info_nce(pos, neg, self.temperature, margin, self.reduction)
+
+    def mi_lower_bound(self, loss: float | torch.Tensor, k: int | None = None) -> float | torch.Tensor:
+        """log(1 + α) − loss with EqCo, else log(1 + k) − loss (k = negatives per query)."""
+        if self.alpha is None and k is None:
+            raise ValueError("mi_lower_bound needs k (negatives per query) when alpha is None")
+        return mi_lower_bound(loss, self.alpha if self.alpha is not None else k)
+
+    def extra_repr(self) -> str:
+        return (
+            f"temperature={self.temperature}, alpha={self.alpha}, "
+            f"num_negatives={self.num_negatives}, sampling={self.sampling!r}, reduction={self.reduction!r}"
+        )

@@ -1,0 +1,201 @@
+"""pretrain.dist in one process, and with 2 gloo processes on CPU against 1-process references."""
+
+import datetime
+import json
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from pretrain import dist
+from pretrain.losses import info_nce, nt_xent_similarities
+
+WORLD = 2
+N = 4  # per-rank batch
+TAU = 0.5
+
+# ---------------------------------------------------------------- single process
+
+
+def test_single_process_basics():
+    assert not torch_dist.is_initialized()
+    assert (dist.world_size(), dist.rank(), dist.rank_offset(7)) == (1, 0, 0)
+    t = torch.randn(3, 2)
+    assert dist.broadcast_(t) is t
+    assert dist.all_ranks_equal(t)
+
+
+def test_single_process_gathers_are_identity():
+    x = torch.randn(5, 3, requires_grad=True)
+    g = dist.gather_no_grad(x)
+    torch.testing.assert_close(g, x.detach())
+    assert not g.requires_grad
+
+    w = torch.randn(5, 3)
+    (dist.gather_with_grad(x) * w).sum().backward()
+    torch.testing.assert_close(x.grad, w)
+
+
+def test_single_process_shuffle_unshuffle():
+    torch.manual_seed(0)
+    x = torch.arange(16, dtype=torch.float32).unsqueeze(1).repeat(1, 3)
+    shuffled, idx = dist.shuffle_batch(x)
+    assert sorted(shuffled[:, 0].tolist()) == x[:, 0].tolist(), "not a permutation of the rows"
+    assert not torch.equal(shuffled, x), "identity permutation (seeded: should not happen)"
+    torch.testing.assert_close(dist.unshuffle_batch(shuffled, idx), x)
+    # A row-wise "encoder" between the two: outputs come back in the input order.
+    torch.testing.assert_close(dist.unshuffle_batch(shuffled * 3 + 1, idx), x * 3 + 1)
+
+
+# ---------------------------------------------------------------- two processes (gloo)
+# Each check runs all of its collectives before asserting, so a failing rank cannot leave the
+# other one blocked in a collective; a missed collective still ends at the group timeout.
+
+
+class _NaiveGather(torch.autograd.Function):
+    """The pre-#1531 lightly GatherLayer: backward keeps only the local gradient slice."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.n = x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(torch_dist.get_world_size())]
+        torch_dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(0, torch_dist.get_rank() * ctx.n, ctx.n).clone()
+
+
+def _global_views(d_in=6):
+    # The same global batch and weights on every rank (same seed), like DDP after wrapping.
+    g = torch.Generator().manual_seed(123)
+    x1, x2 = (torch.randn(WORLD * N, d_in, generator=g, dtype=torch.float64) for _ in range(2))
+    w = torch.randn(d_in, 5, generator=g, dtype=torch.float64)
+    return x1, x2, w
+
+
+def _nt_xent_grad(x1, x2, w, gather, offset):
+    w = w.clone().requires_grad_(True)
+    z1, z2 = F.normalize(x1 @ w, dim=1), F.normalize(x2 @ w, dim=1)
+    pos, neg = nt_xent_similarities(z1, z2, gather(z1), gather(z2), offset)
+    loss = info_nce(pos, neg, TAU)
+    loss.backward()
+    return loss.detach(), w.grad
+
+
+def _check_gather_with_grad(r):
+    x1, x2, w = _global_views()
+    local = slice(r * N, (r + 1) * N)
+    loss, grad = _nt_xent_grad(x1[local], x2[local], w, dist.gather_with_grad, dist.rank_offset(N))
+    _, naive_grad = _nt_xent_grad(x1[local], x2[local], w, _NaiveGather.apply, dist.rank_offset(N))
+    for t in (loss, grad, naive_grad):  # what DDP does: average over ranks
+        torch_dist.all_reduce(t)
+        t /= WORLD
+    # Reference: one process, the concatenated batch 2N, no gather.
+    ref_loss, ref_grad = _nt_xent_grad(x1, x2, w, lambda z: z, 0)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-6)
+    # The test can fail: the gather without the summed backward misses cross-rank terms.
+    assert (naive_grad - ref_grad).abs().max() > 1e-3
+
+
+def _check_shuffle(r):
+    torch.manual_seed(1000 + r)  # different RNG streams: only the broadcast makes perms agree
+    ids = torch.arange(r * N, (r + 1) * N, dtype=torch.float64)
+    x = torch.stack([ids, -ids, ids * 10], dim=1)
+    shuffled, idx = dist.shuffle_batch(x)
+    back_identity = dist.unshuffle_batch(shuffled, idx)
+    back_encoded = dist.unshuffle_batch(shuffled * 3 + 1, idx)
+    same_perm = dist.all_ranks_equal(idx)
+    all_shuffled = dist.gather_no_grad(shuffled)
+    all_x = dist.gather_no_grad(x)
+
+    assert same_perm, "ranks use different permutations"
+    torch.testing.assert_close(back_identity, x, rtol=0, atol=0)
+    torch.testing.assert_close(back_encoded, x * 3 + 1, rtol=0, atol=0)
+    got_ids = all_shuffled[:, 0]
+    assert sorted(got_ids.tolist()) == list(range(WORLD * N)), "slices do not tile the batch"
+    assert not torch.equal(got_ids, all_x[:, 0]), "identity permutation (seeded: should not happen)"
+    assert sorted(idx.tolist()) == list(range(WORLD * N))
+    torch.testing.assert_close(all_shuffled[idx], all_x, rtol=0, atol=0)  # idx inverts the perm
+
+
+def _check_collectives(r):
+    assert (dist.world_size(), dist.rank(), dist.rank_offset(N)) == (WORLD, r, r * N)
+    x = torch.full((N, 3), float(r), requires_grad=True)
+    gathered = dist.gather_no_grad(x)
+    with_grad = dist.gather_with_grad(x)
+    queue = torch.arange(12.0).view(3, 4)  # identical on all ranks
+    equal_same = dist.all_ranks_equal(queue)
+    differs = queue.clone()
+    differs[1, 2] += r  # one element differs on rank 1 only
+    equal_diff = dist.all_ranks_equal(differs)
+    b = dist.broadcast_(torch.full((2,), float(r)), src=1)
+
+    expected = torch.cat([torch.full((N, 3), float(i)) for i in range(WORLD)])
+    torch.testing.assert_close(gathered, expected)
+    assert not gathered.requires_grad
+    torch.testing.assert_close(with_grad.detach(), expected)
+    assert with_grad.requires_grad
+    assert equal_same is True and equal_diff is False  # on every rank, rank 0 included
+    torch.testing.assert_close(b, torch.full((2,), 1.0))
+
+
+CHECKS = {
+    "gather_with_grad": _check_gather_with_grad,
+    "shuffle": _check_shuffle,
+    "collectives": _check_collectives,
+}
+
+
+def _worker(r, port, out_dir):
+    torch.set_num_threads(1)
+    torch_dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=r,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    results = {}
+    try:
+        for name, check in CHECKS.items():
+            try:
+                check(r)
+                results[name] = None
+            except Exception:
+                results[name] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{r}.json"), "w") as f:
+            json.dump(results, f)
+        torch_dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory):
+    """Spawn the 2 gloo workers once (torch import dominates) and collect per-check errors."""
+    out_dir = str(tmp_path_factory.mktemp("dist"))
+    mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
+    results = []
+    for r in range(WORLD):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_two_processes(two_process_results, check):
+    errors = [f"rank {r}:\n{res[check]}" for r, res in enumerate(two_process_results) if res[check]]
+    assert not errors, "\n".join(errors)
