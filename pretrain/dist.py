@@ -24,6 +24,7 @@ __all__ = [
     "unshuffle_batch",
     "broadcast_",
     "all_ranks_equal",
+    "all_ranks_true",
 ]
 
 
@@ -161,3 +162,13 @@ def all_ranks_equal(t: torch.Tensor) -> bool:
     ok = torch.tensor([int(torch.equal(ref, t))], device=t.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
+
+
+def all_ranks_true(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True iff ``flag`` is True on every rank (a MIN all-reduce); all ranks get the same answer,
+    so they take the same branch afterwards (e.g. all stop on a non-finite loss)."""
+    if world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())

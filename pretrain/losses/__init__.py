@@ -9,6 +9,7 @@ from .infonce import (
     mi_lower_bound,
     nt_xent_similarities,
     sample_negatives,
+    similarities,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "mi_lower_bound",
     "nt_xent_similarities",
     "sample_negatives",
+    "similarities",
 ]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "similarities",
     "info_nce",
     "eqco_margin",
     "mi_lower_bound",
@@ -37,6 +38,13 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
 def _no_autocast(x: torch.Tensor) -> torch.autocast:
     # Explicit casts are not enough: CUDA autocast would run a matmul on fp32 inputs in fp16.
     return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+def similarities(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in (at least) fp32 with autocast off: (N, d) @ (d, M) -> (N, M) cosines when both
+    are normalized (e.g. queries against MoCo's (d, K) queue)."""
+    with _no_autocast(a):
+        return _fp32(a) @ _fp32(b)
 
 
 def info_nce(

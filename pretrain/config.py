@@ -1,0 +1,160 @@
+"""Pretraining configuration: engine defaults in one place, YAML recipes with `_base_`
+inheritance, dotted ``key=value`` overrides, and validation that fails at start with one line.
+
+A recipe names its method (``method.name``); the method's own keys and defaults come from its
+class in ``pretrain.methods`` (``Method.defaults``), so a key that neither the engine nor the
+method knows is an error, as are values outside the allowed choices.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and the allowed values."""
+
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "name": None,  # run name; defaults to the recipe's file name
+    "method": {"name": None},
+    "model": {"arch": "resnet50", "stem": "imagenet"},  # stem: imagenet | small (3×3/1 conv, no max-pool)
+    "data": {
+        "root": "datasets/imagenet/train",  # ImageFolder or a flat folder of images
+        "augmentation": "mocov2",  # mocov1 | mocov2 | simclr | byol
+        "image_size": 224,
+        "num_workers": 8,
+        "pin_memory": True,
+        "max_bad_fraction": 0.001,  # stop when more than this fraction of images cannot be decoded
+    },
+    "optim": {
+        "name": "sgd",  # sgd | lars
+        "lr": 0.03,  # at optim.reference_batch; scaled to train.batch_size by optim.lr_scaling
+        "lr_scaling": "linear",  # linear | sqrt | none
+        "reference_batch": 256,
+        "momentum": 0.9,
+        "weight_decay": 1e-4,
+        "exclude_norm_bias": False,  # no weight decay (and no LARS adaptation) for BN and biases
+        "lars_eta": 0.001,
+        "schedule": "cosine",  # cosine | step | constant
+        "milestones": [120, 160],  # epochs, for schedule=step (×0.1 at each)
+        "warmup_epochs": 0,
+        "per_step": False,  # lr updated every step (SimCLR) instead of every epoch (MoCo)
+    },
+    "train": {
+        "epochs": 200,
+        "batch_size": 256,  # GLOBAL batch over all processes (MoCo's convention); per process = this / processes
+        "max_steps": None,  # stop (with a checkpoint) after this many steps; the schedule still spans `epochs`
+        "seed": 0,
+        "mixed_precision": "no",  # no | fp16 | bf16 (similarities and logits stay fp32)
+        "output_dir": "outputs/pretrain/${name}",
+        "resume": "auto",  # auto (continue from output_dir/checkpoint_last.pth if present) | none | a path
+        "checkpoint_every": 1000,  # steps; also at every epoch end and at the end
+        "log_every": 10,
+        "diagnostics_every": 50,  # steps with ‖∂L/∂q‖ (costs a retained gradient)
+        "cpu": False,  # force CPU even when CUDA is available
+    },
+    "knn": {  # optional kNN monitor on a labelled ImageFolder, every `every_epochs` epochs
+        "train_dir": None,
+        "val_dir": None,
+        "every_epochs": 1,
+        "k": 200,
+        "temperature": 0.1,
+    },
+}
+
+CHOICES = {
+    "model.stem": ("imagenet", "small"),
+    "data.augmentation": ("mocov1", "mocov2", "simclr", "byol"),
+    "optim.name": ("sgd", "lars"),
+    "optim.lr_scaling": ("linear", "sqrt", "none"),
+    "optim.schedule": ("cosine", "step", "constant"),
+    "train.mixed_precision": ("no", "fp16", "bf16"),
+}
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    """A YAML file merged over its `_base_` file(s) (paths relative to it), recursively."""
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    if path in seen:
+        raise ConfigError(f"config file {path}: circular _base_ chain {' -> '.join(map(str, seen))}")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # yaml errors carry the line
+        raise ConfigError(f"config file {path}: cannot parse: {e}") from e
+    bases = cfg.pop("_base_", None)
+    bases = [bases] if isinstance(bases, str) else list(bases or [])
+    merged = [_read_yaml(path.parent / b, seen + (path,)) for b in bases]
+    return OmegaConf.merge(*merged, cfg) if merged else cfg
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: int = 1) -> DictConfig:
+    """Resolve a recipe: engine defaults < method defaults < YAML chain < ``key=value`` overrides.
+
+    Raises ConfigError (one line naming the key and the allowed values) for unknown keys,
+    unknown methods, values outside their choices and impossible settings.
+    """
+    from pretrain.methods import METHODS  # late: methods import ConfigError from here
+
+    path = Path(path)
+    user = _read_yaml(path)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. train.batch_size=64)")
+    user = OmegaConf.merge(user, OmegaConf.from_dotlist(list(overrides)))
+    name = OmegaConf.select(user, "method.name")
+    if name not in METHODS:
+        raise ConfigError(f"method.name={name!r}: expected one of {sorted(METHODS)}")
+    defaults = OmegaConf.create(ENGINE_DEFAULTS)
+    defaults.method = {"name": name, **METHODS[name].defaults}
+    defaults.name = path.stem
+    OmegaConf.set_struct(defaults, True)
+    try:
+        cfg = OmegaConf.merge(defaults, user)
+    except ConfigKeyError as e:
+        parent = e.full_key.rsplit(".", 1)[0] if "." in e.full_key else ""
+        node = OmegaConf.select(defaults, parent) if parent else defaults
+        raise ConfigError(f"unknown key {e.full_key!r} (method {name}): allowed keys"
+                          f"{' under ' + parent if parent else ''}: {sorted(node.keys())}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid value for {e.full_key!r}: {e.msg}") from None
+    OmegaConf.resolve(cfg)
+    validate(cfg, num_processes)
+    return cfg
+
+
+def validate(cfg: DictConfig, num_processes: int) -> None:
+    from pretrain.methods import METHODS
+    from pretrain.models import ARCHS
+
+    for key, allowed in {**CHOICES, "model.arch": ARCHS}.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: expected one of {list(allowed)}")
+    b = cfg.train.batch_size
+    if not isinstance(b, int) or b <= 0 or b % num_processes:
+        raise ConfigError(f"train.batch_size={b}: expected a positive multiple of the {num_processes} processes "
+                          "(it is the global batch)")
+    for key in ("train.epochs", "data.image_size", "train.log_every", "train.checkpoint_every",
+                "train.diagnostics_every"):
+        if not (isinstance(OmegaConf.select(cfg, key), int) and OmegaConf.select(cfg, key) > 0):
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected a positive integer")
+    if cfg.train.max_steps is not None and cfg.train.max_steps <= 0:
+        raise ConfigError(f"train.max_steps={cfg.train.max_steps}: expected a positive integer or null")
+    METHODS[cfg.method.name].check(cfg, num_processes)
+
+
+def per_process_batch(cfg: DictConfig, num_processes: int) -> int:
+    return cfg.train.batch_size // num_processes
+
+
+def scaled_lr(cfg: DictConfig) -> float:
+    """optim.lr given at optim.reference_batch, scaled to the global batch (linear or sqrt rule)."""
+    ratio = cfg.train.batch_size / cfg.optim.reference_batch
+    return cfg.optim.lr * {"linear": ratio, "sqrt": ratio ** 0.5, "none": 1.0}[cfg.optim.lr_scaling]

@@ -1,0 +1,156 @@
+"""The pretraining loop: method-agnostic, read top to bottom (DINO style).
+
+Accelerate handles devices, DDP and autocast; everything stateful that a resume needs is either
+inside the method's state_dict or saved by ``pretrain.checkpoint``. The data order and the
+augmentations are functions of (seed, epoch, index), and the lr of the global step, so a resumed
+run continues exactly where the interrupted one stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from omegaconf import OmegaConf
+from torch import nn
+from tqdm import tqdm
+
+from pretrain import dist
+from pretrain.checkpoint import export_final, git_sha, load_training_state, resume_path, save_training_state
+from pretrain.config import per_process_batch, scaled_lr
+from pretrain.data import BadImageTracker, ImageDataset, build_loader, build_view_transforms, set_loader_epoch
+from pretrain.diagnostics import grad_norm_stats
+from pretrain.knn import knn_accuracy
+from pretrain.methods import METHODS
+from pretrain.optim import build_optimizer, lr_at
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def train(cfg, accelerator: Accelerator) -> Path:
+    """Pretrain as configured; returns the path of ``checkpoint_final.pth``."""
+    # ------------------------------------------------------------------ setup
+    out = Path(cfg.train.output_dir)
+    n_proc, main = accelerator.num_processes, accelerator.is_main_process
+    n_local = per_process_batch(cfg, n_proc)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        accelerator.print(OmegaConf.to_yaml(cfg))
+        accelerator.print(f"git {git_sha()} | {n_proc} process(es) on {accelerator.device} | batch "
+                          f"{cfg.train.batch_size} global = {n_local} per process | lr {scaled_lr(cfg):.4g} "
+                          f"(optim.lr {cfg.optim.lr} at batch {cfg.optim.reference_batch}, "
+                          f"{cfg.optim.lr_scaling} scaling) | mixed precision {cfg.train.mixed_precision}")
+    set_seed(cfg.train.seed)  # identical initial weights and queues on every rank
+
+    # ------------------------------------------------------------------ method and optimizer
+    method = METHODS[cfg.method.name](cfg, n_proc)
+    if method.sync_bn and n_proc > 1:  # SyncBN needs a process group: never in one process
+        method = nn.SyncBatchNorm.convert_sync_batchnorm(method)
+    optimizer = build_optimizer(method, cfg)
+
+    # ------------------------------------------------------------------ data
+    views = build_view_transforms(cfg.data.augmentation, cfg.data.image_size)
+    dataset = ImageDataset(cfg.data.root, views, seed=cfg.train.seed)
+    loader = build_loader(dataset, n_local, n_proc, accelerator.process_index, cfg.train.seed,
+                          cfg.data.num_workers, cfg.data.pin_memory and accelerator.device.type == "cuda")
+    steps_per_epoch = loader.sampler.batches_per_epoch
+    last_step = cfg.train.epochs * steps_per_epoch
+    if cfg.train.max_steps is not None:
+        last_step = min(last_step, cfg.train.max_steps)
+
+    model, optimizer = accelerator.prepare(method, optimizer)
+    method = accelerator.unwrap_model(model)
+
+    # ------------------------------------------------------------------ resume
+    step = 0
+    checkpoint = resume_path(cfg)
+    if checkpoint is not None:
+        step = load_training_state(checkpoint, accelerator, method, optimizer, steps_per_epoch)
+        accelerator.print(f"resumed from {checkpoint} at step {step}")
+    last_path = out / "checkpoint_last.pth"
+
+    # ------------------------------------------------------------------ loop
+    bad_images = BadImageTracker(cfg.data.max_bad_fraction)
+    metrics = open(out / "metrics.jsonl", "a") if main else None
+    accelerator.init_trackers("pretrain")
+    bar = tqdm(total=last_step, initial=step, desc=f"{cfg.method.name} pretrain", unit="step",
+               disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    while step < last_step:
+        epoch, start_batch = divmod(step, steps_per_epoch)
+        set_loader_epoch(loader, epoch, start_batch)
+        t0 = time.perf_counter()
+        for images, _, bad in loader:
+            t_data = time.perf_counter() - t0
+            bad_images.update(bad, len(images[0]))
+            bad_images.check()
+            lr = lr_at(cfg, step, steps_per_epoch)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            diagnose = (step + 1) % cfg.train.diagnostics_every == 0
+            method.watch_grad = diagnose
+
+            output = model([x.to(accelerator.device, non_blocking=True) for x in images])
+            loss = output["loss"]
+            if not dist.all_ranks_true(bool(torch.isfinite(loss.detach())), accelerator.device):
+                raise NonFiniteLossError(
+                    f"non-finite loss ({loss.item()}) at step {step} (epoch {epoch}); stopped without saving. "
+                    f"Last good checkpoint: {last_path if last_path.is_file() else 'none'}. Lower optim.lr, "
+                    "or use train.mixed_precision=bf16/no")
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            optimizer.step()
+            step += 1
+            t_step = time.perf_counter() - t0
+
+            if step % cfg.train.log_every == 0 or diagnose or step == last_step:
+                row = {"step": step, "epoch": step / steps_per_epoch, "lr": lr, "data_time": t_data,
+                       "step_time": t_step}
+                row.update({k: accelerator.reduce(v.detach().float(), "mean").item() for k, v in output.items()})
+                if diagnose:
+                    row.update(grad_norm_stats(method.watched))
+                    method.watched = None
+                accelerator.log(row, step=step)
+                if metrics:
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.3g}", data=f"{t_data:.3f}s",
+                                step=f"{t_step:.3f}s")
+            bar.update(1)
+            if step % cfg.train.checkpoint_every == 0 or step == last_step:
+                save_training_state(last_path, accelerator, method, optimizer, step, steps_per_epoch, cfg)
+            if step == last_step:
+                break
+            t0 = time.perf_counter()
+
+        epoch_done = step % steps_per_epoch == 0
+        if epoch_done and step != last_step:
+            save_training_state(last_path, accelerator, method, optimizer, step, steps_per_epoch, cfg)
+        if epoch_done and cfg.knn.train_dir and (step // steps_per_epoch) % cfg.knn.every_epochs == 0:
+            if main:
+                acc = knn_accuracy(method.backbone, cfg.knn.train_dir, cfg.knn.val_dir, cfg.data.image_size,
+                                   accelerator.device, cfg.knn.k, cfg.knn.temperature)
+                row = {"step": step, "epoch": step / steps_per_epoch, "knn_top1": acc}
+                accelerator.log(row, step=step)
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                bar.write(f"epoch {step // steps_per_epoch}: kNN top-1 {acc:.2f}%")
+            accelerator.wait_for_everyone()
+    bar.close()
+
+    # ------------------------------------------------------------------ export
+    final = out / "checkpoint_final.pth"
+    if main:
+        export_final(final, method, cfg, step)
+        if metrics:
+            metrics.close()
+        accelerator.print(f"{bad_images.summary()}\nwrote {final}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return final

@@ -1,0 +1,12 @@
+"""Registry of pretraining methods: a new method is one module plus one line here."""
+
+from pretrain.methods.base import Method
+from pretrain.methods.moco import MoCo
+from pretrain.methods.simclr import SimCLR
+from pretrain.methods.simo import SiMo
+
+METHODS: dict[str, type[Method]] = {
+    "moco": MoCo,
+    "simclr": SimCLR,
+    "simo": SiMo,
+}
