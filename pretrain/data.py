@@ -1,0 +1,289 @@
+"""Pretraining data: augmentation recipes, a robust image dataset, a resumable sharded sampler.
+
+Reproducibility contract: the augmentation of sample ``index`` in ``epoch`` depends only on
+``(seed, epoch, index)``, never on the number of workers, the rank or where a run was resumed.
+The permutation of an epoch depends only on ``(seed, epoch)``. Recipes follow
+docs/methods.md §1.1; the 224 px constants are scaled to ``image_size``.
+
+Epochs: call ``set_loader_epoch(loader, epoch, start_batch)`` (or both ``dataset.set_epoch`` and
+``sampler.set_epoch``) **before** ``iter(loader)``. DataLoader workers hold a copy of the dataset,
+so the epoch lives in a shared-memory tensor that persistent workers also see; changing it while
+an iterator is running would race with prefetching.
+
+Do not pass the loader through ``accelerator.prepare``: Accelerate would replace the sampler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision.datasets.folder import (IMG_EXTENSIONS, find_classes, has_file_allowed_extension,
+                                         make_dataset)
+from torchvision.transforms import v2
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RECIPES", "blur_kernel_size", "build_view_transforms",
+           "build_multicrop_transforms", "eval_transform", "ImageDataset", "collate",
+           "ShardedSampler", "build_loader", "set_loader_epoch", "BadImageTracker"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+RECIPES = ("mocov1", "mocov2", "simclr", "byol")
+_ALIASES = {"aug+": "mocov2", "aug_plus": "mocov2", "moco_v1": "mocov1", "moco_v2": "mocov2"}
+BICUBIC = v2.InterpolationMode.BICUBIC
+SIGMA = (0.1, 2.0)  # blur σ range of MoCo v2 / SimCLR / BYOL; not scaled with image size
+# Errors PIL raises for unreadable files (UnidentifiedImageError and truncation are OSErrors).
+_DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+def _seed(*parts) -> int:
+    """A stable 64-bit seed from a tuple (Python's hash() of str is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+# ------------------------------------------------------------------------------ augmentations
+
+def blur_kernel_size(side: int) -> int:
+    """SimCLR's kernel: radius = (side // 10) // 2, size 2·radius + 1 (23 at 224); at least 3."""
+    return max(3, 2 * ((side // 10) // 2) + 1)
+
+
+def _pipeline(*ops) -> v2.Compose:
+    # ToImage is a no-op on the uint8 tv_tensors.Image the dataset passes (decoded once) and makes
+    # the pipeline accept PIL too. The geometric and colour ops run on uint8 (fast paths); float
+    # conversion and normalization happen once, at the end.
+    return v2.Compose([v2.ToImage(), *ops, v2.ToDtype(torch.float32, scale=True),
+                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD), v2.ToPureTensor()])
+
+
+def _aug_plus(size: int, scale: tuple[float, float] = (0.2, 1.0)) -> v2.Compose:
+    """MoCo v2 aug+: crop → jitter(.4,.4,.4,.1) p .8 → gray .2 → blur p .5 → flip."""
+    return _pipeline(
+        v2.RandomResizedCrop(size, scale=scale, antialias=True),
+        v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+        v2.RandomGrayscale(p=0.2),
+        v2.RandomApply([v2.GaussianBlur(blur_kernel_size(size), sigma=SIGMA)], p=0.5),
+        v2.RandomHorizontalFlip())
+
+
+def _byol(size: int, blur_p: float, solarize_p: float) -> v2.Compose:
+    """BYOL: crop (bicubic) → flip → jitter(.4,.4,.2,.1) p .8 → gray → blur → solarize."""
+    return _pipeline(
+        v2.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=BICUBIC, antialias=True),
+        v2.RandomHorizontalFlip(),
+        v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
+        v2.RandomGrayscale(p=0.2),
+        v2.RandomApply([v2.GaussianBlur(blur_kernel_size(size), sigma=SIGMA)], p=blur_p),
+        v2.RandomSolarize(threshold=128, p=solarize_p))  # x ≥ 0.5 → 1 − x, on uint8
+
+
+def build_view_transforms(recipe: str, image_size: int) -> list[Callable]:
+    """Two view transforms; BYOL's two differ (blur, solarize), the other recipes reuse one."""
+    name = _ALIASES.get(recipe, recipe)
+    if name == "mocov1":  # InstDisc: jitter always applied; crop → gray → jitter → flip
+        t = _pipeline(v2.RandomResizedCrop(image_size, scale=(0.2, 1.0), antialias=True),
+                      v2.RandomGrayscale(p=0.2), v2.ColorJitter(0.4, 0.4, 0.4, 0.4),
+                      v2.RandomHorizontalFlip())
+    elif name == "mocov2":
+        t = _aug_plus(image_size)
+    elif name == "simclr":  # torch port of the TF recipe (strength s = 1)
+        t = _pipeline(
+            v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.RandomApply([v2.ColorJitter(0.8, 0.8, 0.8, 0.2)], p=0.8),
+            v2.RandomGrayscale(p=0.2),
+            v2.RandomApply([v2.GaussianBlur(blur_kernel_size(image_size), sigma=SIGMA)], p=0.5))
+    elif name == "byol":
+        return [_byol(image_size, blur_p=1.0, solarize_p=0.0),
+                _byol(image_size, blur_p=0.1, solarize_p=0.2)]
+    else:
+        raise ValueError(f"unknown augmentation recipe {recipe!r}; expected one of "
+                         f"{', '.join(RECIPES)} (aliases: {', '.join(_ALIASES)})")
+    return [t, t]  # same pipeline, different random draws
+
+
+def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = None,
+                               min_scales: Sequence[float] | None = None,
+                               max_scales: Sequence[float] | None = None) -> list[Callable]:
+    """AdCo: crop 0 is the key (``image_size``, scale .2–1), then one aug+ query crop per size.
+
+    ``sizes`` are pixels; the default is AdCo's (224, 192, 160, 128, 96) scaled to ``image_size``.
+    """
+    sizes = sizes or [round(s * image_size / 224) for s in (224, 192, 160, 128, 96)]
+    min_scales = min_scales or (0.2, 0.172, 0.143, 0.114, 0.086)
+    max_scales = max_scales or (1.0, 0.86, 0.715, 0.571, 0.429)
+    if not len(sizes) == len(min_scales) == len(max_scales):
+        raise ValueError(f"multi-crop: sizes {list(sizes)}, min_scales {list(min_scales)} and "
+                         f"max_scales {list(max_scales)} must have the same length")
+    queries = [_aug_plus(s, (lo, hi)) for s, lo, hi in zip(sizes, min_scales, max_scales)]
+    return [_aug_plus(image_size)] + queries
+
+
+def eval_transform(image_size: int) -> v2.Compose:
+    """Shorter side to round(size·256/224), center crop, normalize (kNN monitor, features)."""
+    resize = v2.Resize(round(image_size * 256 / 224), antialias=True)
+    return _pipeline(resize, v2.CenterCrop(image_size))
+
+
+# ------------------------------------------------------------------------------------ dataset
+
+def _scan(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
+    """ImageFolder layout (labels from sorted class folders) or else a flat folder (label -1)."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"image root {root} does not exist or is not a directory")
+    reason = ""
+    if any(entry.is_dir() for entry in os.scandir(root)):
+        try:  # torchvision's scan; raises when a class folder holds no image
+            classes, class_to_idx = find_classes(root)
+            return make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS), classes
+        except FileNotFoundError as e:
+            reason = f" ({e})"
+    flat = sorted(e.path for e in os.scandir(root)
+                  if e.is_file() and has_file_allowed_extension(e.name, IMG_EXTENSIONS))
+    if not flat:
+        raise FileNotFoundError(
+            f"no images found in {root}: expected root/<class>/<image> or a flat folder of images "
+            f"with extensions {', '.join(IMG_EXTENSIONS)} (any case){reason}")
+    return [(p, -1) for p in flat], []
+
+
+class ImageDataset(Dataset):
+    """Decodes each image once and applies every view transform to it.
+
+    ``__getitem__`` returns ``(views, label, bad)``. An unreadable file does not crash the run:
+    its path goes into ``bad`` and the next readable index is used instead, so batches keep
+    their size (count the paths with ``BadImageTracker``).
+    """
+
+    def __init__(self, root: str | os.PathLike, views: Sequence[Callable], seed: int = 0):
+        self.root = Path(root)
+        self.views = list(views)
+        if not self.views:
+            raise ValueError("ImageDataset needs at least one view transform")
+        self.seed = int(seed)
+        self.samples, self.classes = _scan(self.root)
+        # Shared memory: DataLoader workers (persistent ones too) see set_epoch made in the parent.
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call before creating the DataLoader iterator of that epoch (see module docstring)."""
+        self._epoch.fill_(int(epoch))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[list[torch.Tensor], int, list[str]]:
+        index, bad = int(index), []
+        for k in range(len(self.samples)):  # deterministic substitute: the next readable file
+            path, label = self.samples[(index + k) % len(self.samples)]
+            try:
+                with Image.open(path) as im:
+                    image = v2.functional.to_image(im.convert("RGB"))  # convert() decodes
+                break
+            except _DECODE_ERRORS:
+                bad.append(path)
+        else:
+            raise RuntimeError(f"no readable image in {self.root} ({len(bad)} files tried)")
+        # Seed per sample, isolated from the global RNG (the caller's stream is left untouched).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed("augment", self.seed, int(self._epoch), index))
+            views = [t(image) for t in self.views]
+        return views, label, bad
+
+
+def collate(batch) -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:
+    """[(views, label, bad)] → (one B×C×H×W tensor per view, labels (B,), all bad paths)."""
+    views = [torch.stack(v) for v in zip(*(item[0] for item in batch))]
+    labels = torch.tensor([item[1] for item in batch], dtype=torch.int64)
+    return views, labels, [p for item in batch for p in item[2]]
+
+
+# ------------------------------------------------------------------------- sampler and loader
+
+class ShardedSampler(Sampler[int]):
+    """Per-epoch permutation seeded by (seed, epoch), cut to whole global batches (MoCo's queue
+    needs equal full batches), interleaved: rank r takes ``perm[r::num_replicas]``, so global
+    batch j is ``perm[j·R·B:(j+1)·R·B]`` whatever the world size. ``set_epoch(e, start_batch)``
+    skips the batches a resumed run already consumed; ``len()`` counts what this rank yields.
+    """
+
+    def __init__(self, n: int, num_replicas: int = 1, rank: int = 0, seed: int = 0,
+                 batch_size: int = 1):
+        if num_replicas < 1 or not 0 <= rank < num_replicas or batch_size < 1:
+            raise ValueError(f"ShardedSampler: need num_replicas ≥ 1, 0 ≤ rank < num_replicas, "
+                             f"batch_size ≥ 1; got {num_replicas}, {rank}, {batch_size}")
+        self.n, self.num_replicas, self.rank = n, num_replicas, rank
+        self.seed, self.batch_size = seed, batch_size
+        self.epoch, self.start_batch = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n // (self.num_replicas * self.batch_size)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        if not 0 <= start_batch <= self.batches_per_epoch:
+            raise ValueError(f"start_batch {start_batch} outside [0, {self.batches_per_epoch}]")
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(_seed("sampler", self.seed, self.epoch))
+        kept = self.batches_per_epoch * self.num_replicas * self.batch_size
+        mine = torch.randperm(self.n, generator=g)[:kept][self.rank :: self.num_replicas]
+        return iter(mine[self.start_batch * self.batch_size :].tolist())
+
+    def __len__(self) -> int:
+        return (self.batches_per_epoch - self.start_batch) * self.batch_size
+
+
+def build_loader(dataset: ImageDataset, batch_size_per_process: int, num_replicas: int = 1,
+                 rank: int = 0, seed: int = 0, num_workers: int = 0,
+                 pin_memory: bool = False) -> DataLoader:
+    """DataLoader over a ShardedSampler; equal full batches on every rank (drop_last)."""
+    batch = batch_size_per_process
+    if len(dataset) < batch * num_replicas:
+        raise ValueError(f"dataset {getattr(dataset, 'root', '')} has {len(dataset)} images, fewer "
+                         f"than one global batch (batch_size {batch} × {num_replicas} processes); "
+                         f"lower batch_size")
+    sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, batch)
+    # A private generator: creating an iterator would otherwise draw from the global torch RNG,
+    # so a resumed run (new iterator mid-epoch) would diverge from an uninterrupted one.
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate,
+                      drop_last=True, num_workers=num_workers, pin_memory=pin_memory,
+                      persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed))
+
+
+def set_loader_epoch(loader: DataLoader, epoch: int, start_batch: int = 0) -> None:
+    """Set the epoch on both the dataset (augmentations) and the sampler (order, resume point)."""
+    loader.dataset.set_epoch(epoch)
+    loader.sampler.set_epoch(epoch, start_batch)
+
+
+class BadImageTracker:
+    """Counts unreadable files; ``check()`` fails the run when their fraction exceeds a limit."""
+
+    def __init__(self, max_fraction: float = 0.001):
+        self.max_fraction = max_fraction
+        self.bad: list[str] = []
+        self.seen = 0
+
+    def update(self, bad_paths: Sequence[str], n_images: int) -> None:
+        self.bad.extend(bad_paths)
+        self.seen += n_images
+
+    @property
+    def fraction(self) -> float:
+        return len(self.bad) / self.seen if self.seen else 0.0
+
+    def check(self) -> None:
+        if self.fraction > self.max_fraction:
+            raise RuntimeError(f"{self.summary()}, above max_fraction {self.max_fraction:.4%}; "
+                               f"e.g. {', '.join(self.bad[:5])}")
+
+    def summary(self) -> str:
+        return (f"unreadable images: {len(self.bad)} of {self.seen} loaded ({self.fraction:.4%}; "
+                f"{len(set(self.bad))} distinct files)")
