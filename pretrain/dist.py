@@ -20,6 +20,7 @@ __all__ = [
     "rank_offset",
     "gather_no_grad",
     "gather_with_grad",
+    "all_reduce_with_grad",
     "shuffle_batch",
     "unshuffle_batch",
     "broadcast_",
@@ -108,6 +109,29 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return x
     return _GatherWithGrad.apply(x)
+
+
+class _AllReduceWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad
+
+
+def all_reduce_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """Differentiable sum over ranks: every rank's output depends on every rank's x, so the
+    backward sums the incoming gradients too (same reasoning as :func:`gather_with_grad`).
+    Used for synchronized BN statistics. Identity in one process."""
+    if world_size() == 1:
+        return x
+    return _AllReduceWithGrad.apply(x)
 
 
 @torch.no_grad()

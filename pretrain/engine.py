@@ -16,7 +16,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
-from torch import nn
 from tqdm import tqdm
 
 from pretrain import dist
@@ -26,6 +25,7 @@ from pretrain.data import BadImageTracker, ImageDataset, build_loader, build_vie
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
+from pretrain.models import convert_sync_batchnorm
 from pretrain.optim import build_optimizer, lr_at
 
 
@@ -52,7 +52,7 @@ def train(cfg, accelerator: Accelerator) -> Path:
     # ------------------------------------------------------------------ method and optimizer
     method = METHODS[cfg.method.name](cfg, n_proc)
     if method.sync_bn and n_proc > 1:  # SyncBN needs a process group: never in one process
-        method = nn.SyncBatchNorm.convert_sync_batchnorm(method)
+        method = convert_sync_batchnorm(method, accelerator.device)
     optimizer = build_optimizer(method, cfg)
 
     # ------------------------------------------------------------------ data

@@ -147,7 +147,38 @@ def _check_collectives(r):
     torch.testing.assert_close(b, torch.full((2,), 1.0))
 
 
+def _check_process_group_batchnorm(r):
+    """Each rank normalizes its half; outputs, input and parameter gradients (summed over ranks,
+    as DDP's average of per-rank mean losses times W) equal plain BatchNorm on the whole batch."""
+    from pretrain.models import ProcessGroupBatchNorm
+
+    torch.manual_seed(0)  # same data and weights on every rank
+    x_all = torch.randn(WORLD * N, 3, 2, 2, dtype=torch.float64) * 3 + 1
+    w, b = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    target = torch.randn_like(x_all)
+
+    ref = torch.nn.BatchNorm2d(3).double()
+    ref.weight.data, ref.bias.data = w.clone(), b.clone()
+    x_ref = x_all.clone().requires_grad_(True)
+    y_ref = ref(x_ref)
+    ((y_ref * target).sum() / WORLD).backward()
+
+    bn = ProcessGroupBatchNorm(3).double()
+    bn.weight.data, bn.bias.data = w.clone(), b.clone()
+    x = x_all[r * N:(r + 1) * N].clone().requires_grad_(True)
+    y = bn(x)
+    ((y * target[r * N:(r + 1) * N]).sum() / WORLD).backward()
+    grad_w = bn.weight.grad.clone()
+    torch_dist.all_reduce(grad_w)
+    torch.testing.assert_close(y.detach(), y_ref.detach()[r * N:(r + 1) * N])
+    torch.testing.assert_close(x.grad, x_ref.grad[r * N:(r + 1) * N])
+    torch.testing.assert_close(grad_w, ref.weight.grad)
+    torch.testing.assert_close(bn.running_mean, ref.running_mean)
+    torch.testing.assert_close(bn.running_var, ref.running_var)
+
+
 CHECKS = {
+    "process_group_batchnorm": _check_process_group_batchnorm,
     "gather_with_grad": _check_gather_with_grad,
     "shuffle": _check_shuffle,
     "collectives": _check_collectives,
