@@ -1,11 +1,14 @@
 """The methods with 2 gloo processes on CPU against 1-process references, and the engine end to end.
 
 * SimCLR on 2 processes (each rank its half of the batch, DDP-style gradient averaging) equals
-  SimCLR in 1 process on the concatenated batch: loss and every parameter gradient.
+  SimCLR in 1 process on the concatenated batch: loss and every parameter gradient, once with BN
+  statistics frozen (loss + gather-with-grad path only) and once with the engine's cross-process
+  BN in train mode (also the BN running statistics).
 * MoCo: the queue stays identical on both ranks and holds the gathered keys in rank order.
 * MoCo's shuffle BN: ``keys(x)`` equals the key encoder run on each rank's slice of the
   permuted global batch (BN statistics of that slice), normalized and unshuffled.
-* ``torchrun --nproc_per_node 2 -m pretrain`` with the tiny MoCo v2 and SimCLR recipes.
+* ``torchrun --nproc_per_node 2 -m pretrain`` with the tiny MoCo v2 and SimCLR recipes (SimCLR
+  converts its BN for several processes, which torch's SyncBatchNorm cannot do on CPU).
 
 The 2-process checks run in one ``mp.spawn`` (importing torch dominates); each check runs all of
 its collectives before asserting, so a failing rank cannot leave the other one blocked.
@@ -76,6 +79,8 @@ def _freeze_bn_stats(method: nn.Module) -> nn.Module:
     be on GPU or XPU or privateuseone", and DDP refuses SyncBN modules on CPU), and without it the
     BN statistics of two local batches of 2N differ from those of one batch of 4N. With the
     statistics frozen in BOTH runs, the comparison isolates the loss and the gather-with-grad path.
+    Train-mode BN across processes is checked separately with the engine's CPU converter
+    (:func:`_check_simclr_global_bn`).
     """
     method.train()
     for m in method.modules():
@@ -143,15 +148,10 @@ def _bn_buffers(method: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _check_simclr_global_bn(r, out_dir):
-    """Train-mode BN with the engine's converter for several CPU processes (global statistics)."""
-    from pretrain import models
+    """Train-mode BN converted as the engine does for several CPU processes (global statistics)."""
+    from pretrain.models import convert_sync_batchnorm
 
-    convert = getattr(models, "convert_sync_batchnorm", None)
-    if convert is None:  # the engine then uses torch's SyncBN, which cannot run on CPU
-        if r == 0:
-            torch.save({"unavailable": True}, os.path.join(out_dir, "simclr_global_bn.pt"))
-        return
-    method = convert(_simclr(WORLD), torch.device("cpu")).train()
+    method = convert_sync_batchnorm(_simclr(WORLD), torch.device("cpu")).train()
     x1, x2 = _global_batch(7, torch.float64)
     loss, grads = _simclr_grads(method, [_local(x1, r), _local(x2, r)])
     _ddp_average(loss, grads)
@@ -378,8 +378,6 @@ def test_simclr_global_bn_two_processes_equal_one_process(two_process_results):
     loss, gradients and running statistics equal one process with plain BN on the whole batch."""
     _assert_check_passed(two_process_results, "simclr_global_bn")
     got = torch.load(two_process_results[1] / "simclr_global_bn.pt", weights_only=True)
-    if got.get("unavailable"):
-        pytest.skip("pretrain.models.convert_sync_batchnorm is missing: no multi-process BN on CPU")
 
     method = _simclr(1).train()
     x1, x2 = _global_batch(7, torch.float64)
@@ -408,8 +406,6 @@ def test_moco_shuffle_bn_keys_equal_per_slice_reference(two_process_results):
 # ---------------------------------------------------------------- engine end to end (torchrun)
 
 ENGINE_RECIPES = ("tiny_mocov2", "tiny_simclr")
-SYNC_BN_ON_CPU_ERRORS = ("SyncBatchNorm layers only work with GPU modules",
-                         "SyncBatchNorm expected input tensor to be on GPU")
 
 
 def _start_engine_runs(synthetic_root: Path, tmp_path_factory) -> dict:
@@ -484,11 +480,6 @@ def test_engine_two_processes_mocov2(engine_runs):
 
 
 def test_engine_two_processes_simclr(engine_runs):
-    rc, log, out = engine_runs["tiny_simclr"]
-    if rc != 0 and any(e in log for e in SYNC_BN_ON_CPU_ERRORS):
-        # Known limitation (reported): engine.py converts SimCLR/SiMo to SyncBatchNorm whenever
-        # several processes run, also on CPU, where torch's DDP rejects SyncBN modules and SyncBN's
-        # train-mode forward raises. Any other failure, or a crash without this message, fails.
-        pytest.xfail("2-process CPU run of a SyncBN method fails: " +
-                     next(e for e in SYNC_BN_ON_CPU_ERRORS if e in log))
-    _check_engine_run(rc, log, out, method_name="simclr", has_momentum=False)
+    # With torch's SyncBatchNorm this fails on CPU at DDP wrapping ("SyncBatchNorm layers only work
+    # with GPU modules") or at the first forward ("SyncBatchNorm expected input tensor to be on GPU").
+    _check_engine_run(*engine_runs["tiny_simclr"], method_name="simclr", has_momentum=False)
