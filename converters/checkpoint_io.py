@@ -1,0 +1,358 @@
+"""A ResNet backbone from any supported checkpoint: layout detection, prefix stripping, depth detection.
+
+Every reader of weights (converters, VOC07 SVM, linear and kNN probes, detection) goes through
+``load_backbone``, so all of them accept the same files. The result is always a torchvision ResNet
+state dict (``conv1.weight``, ``layer1.0.bn1.running_mean``, ...) without ``fc``.
+
+A *layout* says where the backbone lives in a file: which container (a dotted path of dict keys,
+``""`` for the file itself) and which key prefix, for the query (online) encoder and, when there is
+one, the momentum encoder. Before matching, the wrappers ``module.`` (DataParallel/DDP) and
+``_orig_mod.`` (torch.compile) are removed from every key. Auto-detection tries the layouts in
+``LAYOUTS`` order and takes the first that holds a ResNet.
+
+The depth is read from the keys (blocks per stage, basic vs bottleneck blocks, bottleneck width),
+then every tensor is checked against a torchvision model of that depth: a wrong file fails here with
+one line naming the file and the keys, not later inside detectron2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as a ResNet backbone; the message is one line naming the
+    file and the keys, shapes or options at fault."""
+
+
+@dataclass
+class Backbone:
+    state_dict: dict[str, torch.Tensor]  # torchvision ResNet names, no fc.*
+    arch: str  # resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | wide_resnet50_2 | wide_resnet101_2
+    stem: str  # "imagenet" (7x7/2 conv + max-pool) | "small" (3x3/1 conv, no max-pool)
+    layout: str  # the detected (or forced) layout name
+    dropped: list[str] = field(default_factory=list)  # non-backbone tensors of the container (heads, queues, ...)
+    source: str = ""  # the input path
+    encoder: str = "query"  # which encoder was read: "query" | "key"
+
+    @property
+    def depth(self) -> int:
+        return ARCHS[self.arch].depth
+
+
+# --------------------------------------------------------------------------------------------
+# ResNet variants: blocks per stage as in torchvision (and detectron2's build_resnet_backbone).
+
+
+@dataclass(frozen=True)
+class ResNetSpec:
+    depth: int
+    bottleneck: bool
+    blocks: tuple[int, int, int, int]
+    width_per_group: int = 64  # the bottleneck width of stage 1; torchvision's wide variants use 128
+
+
+ARCHS: dict[str, ResNetSpec] = {
+    "resnet18": ResNetSpec(18, False, (2, 2, 2, 2)),
+    "resnet34": ResNetSpec(34, False, (3, 4, 6, 3)),
+    "resnet50": ResNetSpec(50, True, (3, 4, 6, 3)),
+    "resnet101": ResNetSpec(101, True, (3, 4, 23, 3)),
+    "resnet152": ResNetSpec(152, True, (3, 8, 36, 3)),
+    "wide_resnet50_2": ResNetSpec(50, True, (3, 4, 6, 3), 128),
+    "wide_resnet101_2": ResNetSpec(101, True, (3, 4, 23, 3), 128),
+}
+
+STEMS = {(7, 7): "imagenet", (3, 3): "small"}
+_BACKBONE_KEY = re.compile(r"^(conv1|bn1|layer[1-4])\.")
+_BLOCK_KEY = re.compile(r"^layer([1-4])\.(\d+)\.")
+
+
+def _replace_small_stem(net: nn.Module) -> None:
+    # Re-stated from pretrain.models.build_backbone (converters must not import pretrain):
+    # CIFAR-style stem for 32-64 px images, a 3x3/1 conv and no max-pool.
+    net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    net.maxpool = nn.Identity()
+
+
+def _torchvision_resnet(arch: str, stem: str) -> nn.Module:
+    net = getattr(torchvision.models, arch)(weights=None)
+    if stem == "small":
+        _replace_small_stem(net)
+    net.fc = nn.Identity()
+    return net
+
+
+def _expected_shapes(arch: str, stem: str) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):  # shapes only: no memory, no initialization cost
+        net = _torchvision_resnet(arch, stem)
+    return {k: tuple(v.shape) for k, v in net.state_dict().items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    description: str
+    query: tuple[tuple[str, str], ...]  # (container, key prefix) of the query/online encoder, tried in order
+    key: tuple[tuple[str, str], ...] = ()  # the same for the momentum (key / teacher) encoder
+
+
+def _sources(containers: tuple[str, ...], prefixes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    return tuple((c, p) for c in containers for p in prefixes)
+
+
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
+    Layout("project", "this project's checkpoint_final.pth (backbone / momentum_backbone in torchvision names)",
+           query=(("backbone", ""),), key=(("momentum_backbone", ""),)),
+    Layout("project-training", "this project's checkpoint_last.pth (method state: encoder_q./encoder./encoder_k. + backbone.)",
+           query=_sources(("method",), ("encoder_q.backbone.", "encoder.backbone.", "online.backbone.")),
+           key=_sources(("method",), ("encoder_k.backbone.", "momentum_encoder.backbone.", "target.backbone."))),
+    Layout("moco", "official MoCo v1/v2/v3 and AdCo checkpoints (state_dict with module.encoder_q. / module.base_encoder.)",
+           query=_sources(("state_dict", ""), ("encoder_q.", "base_encoder.")),
+           key=_sources(("state_dict", ""), ("encoder_k.", "momentum_encoder."))),
+    Layout("vissl", "VISSL checkpoints (classy_state_dict.base_model.model.trunk with _feature_blocks.)",
+           query=_sources(("classy_state_dict.base_model.model.trunk", "classy_state_dict.base_model.model",
+                           "model", ""), ("_feature_blocks.", "trunk._feature_blocks."))),
+    Layout("backbone", "backbone.-prefixed state dicts (solo-learn, lightly, DINO student/teacher)",
+           query=_sources(("state_dict", "model", "student", ""), ("backbone.",)),
+           key=_sources(("state_dict", "model", ""), ("momentum_backbone.", "backbone_momentum."))
+           + (("teacher", "backbone."),)),
+    Layout("torchvision", "a torchvision ResNet state dict (fc.* dropped)",
+           query=_sources(("state_dict", "model", ""), ("",))),
+)}
+ENCODERS = ("query", "key")
+
+# A torchvision ResNet flattened into nn.Sequential(*list(resnet.children())[:-1]) (lightly's
+# examples) numbers its children: conv1, bn1, relu, maxpool, layer1..layer4, avgpool.
+_SEQUENTIAL_CHILDREN = {"0": "conv1", "1": "bn1", "4": "layer1", "5": "layer2", "6": "layer3", "7": "layer4"}
+
+
+def _unwrap(key: str) -> str:
+    """Drop DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) wrapper components."""
+    return ".".join(part for part in key.split(".") if part not in ("module", "_orig_mod"))
+
+
+def _container(ckpt, path: str) -> dict[str, torch.Tensor] | None:
+    obj = ckpt
+    for part in filter(None, path.split(".")):
+        if not isinstance(obj, Mapping) or part not in obj:
+            return None
+        obj = obj[part]
+    if not isinstance(obj, Mapping):
+        return None
+    tensors = {}
+    for k, v in obj.items():
+        if isinstance(k, str) and isinstance(v, torch.Tensor):
+            tensors.setdefault(_unwrap(k), v)
+    return tensors or None
+
+
+def _torchvision_names(sub: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The tensors under one prefix in torchvision names, or None if they do not look like a ResNet."""
+    if "conv1.weight" in sub:
+        return sub
+    if "0.weight" in sub and any(k.startswith("4.0.") for k in sub):
+        renamed = {}
+        for k, v in sub.items():
+            head, _, rest = k.partition(".")
+            renamed[f"{_SEQUENTIAL_CHILDREN[head]}.{rest}" if head in _SEQUENTIAL_CHILDREN else k] = v
+        return renamed
+    return None
+
+
+def _find(ckpt, sources) -> tuple[dict[str, torch.Tensor], list[str], str, str] | None:
+    """The first (container, prefix) holding a ResNet: (its tensors in torchvision names, the
+    container's other tensors, container, prefix)."""
+    for path, prefix in sources:
+        tensors = _container(ckpt, path)
+        if tensors is None:
+            continue
+        sub = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        named = _torchvision_names(sub)
+        if named is not None:
+            others = [k for k in tensors if not k.startswith(prefix)]
+            return named, others, path, prefix
+    return None
+
+
+def _load_file(path: Path):
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights_only" not in str(e):
+            raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
+        # Training states hold numpy RNG states and other plain Python objects that the safe loader
+        # refuses; these are the user's own files, read them the way they were written.
+        logger.warning("%s: contains objects beyond tensors, loading it with weights_only=False", path)
+    except Exception as e:  # torch.load raises many types for a file that is not a checkpoint
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _describe(ckpt) -> str:
+    if not isinstance(ckpt, Mapping):
+        return f"the file holds a {type(ckpt).__name__}, not a dict"
+    top = [str(k) for k in list(ckpt)[:8]]
+    hints = sorted({k for path in ("", "state_dict", "model", "method") for k in (_container(ckpt, path) or {})
+                    if k.endswith("conv1.weight")})[:4]
+    return f"top-level keys {top}" + (f", conv1 weights at {hints}" if hints else "")
+
+
+# --------------------------------------------------------------------------------------------
+# Depth detection and validation
+
+
+def _detect_arch(sd: dict[str, torch.Tensor], source: str) -> str:
+    """The smallest torchvision ResNet whose blocks contain every block present in `sd`."""
+    counts = [0, 0, 0, 0]
+    for k in sd:
+        m = _BLOCK_KEY.match(k)
+        if m:
+            stage, block = int(m.group(1)) - 1, int(m.group(2))
+            counts[stage] = max(counts[stage], block + 1)
+    bottleneck = any(re.match(r"layer[1-4]\.\d+\.conv3\.weight$", k) for k in sd)
+    width = sd["layer1.0.conv1.weight"].shape[0] if "layer1.0.conv1.weight" in sd else 64
+    if not bottleneck:
+        width = 64  # basic blocks have no bottleneck width; a wrong conv1 width is a shape error below
+    fits = [name for name, spec in ARCHS.items()
+            if spec.bottleneck == bottleneck and spec.width_per_group == width
+            and all(c <= b for c, b in zip(counts, spec.blocks))]
+    if not fits:
+        kind = "bottleneck" if bottleneck else "basic"
+        raise CheckpointError(f"{source}: {kind} blocks per stage {tuple(counts)} with stage-1 width {width} "
+                              f"fit no supported ResNet ({', '.join(ARCHS)})")
+    return min(fits, key=lambda name: sum(ARCHS[name].blocks))
+
+
+def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) -> dict[str, torch.Tensor]:
+    expected = _expected_shapes(arch, stem)
+    out = {}
+    for k, shape in expected.items():
+        if k not in sd and k.endswith("num_batches_tracked"):
+            out[k] = torch.tensor(0)  # older/VISSL-converted files omit it; it has no effect in eval
+        elif k in sd:
+            if tuple(sd[k].shape) != shape:
+                raise CheckpointError(f"{source}: {k} has shape {tuple(sd[k].shape)}, expected {shape} "
+                                      f"for {arch} ({stem} stem)")
+            v = sd[k].detach().cpu()
+            out[k] = v.float() if v.is_floating_point() else v
+    missing = [k for k in expected if k not in out]
+    if missing:
+        raise CheckpointError(f"{source}: {len(missing)} {arch} backbone tensors missing, e.g. "
+                              f"{', '.join(missing[:4])}")
+    unexpected = [k for k in sd if _BACKBONE_KEY.match(k) and k not in expected]
+    if unexpected:
+        raise CheckpointError(f"{source}: tensors {', '.join(unexpected[:4])} do not belong to {arch} "
+                              f"({len(unexpected)} unexpected backbone tensors)")
+    return out
+
+
+def _detect_stem(sd: dict[str, torch.Tensor], source: str) -> str:
+    shape = tuple(sd["conv1.weight"].shape)
+    stem = STEMS.get(shape[2:]) if len(shape) == 4 and shape[:2] == (64, 3) else None
+    if stem is None:
+        raise CheckpointError(f"{source}: conv1.weight has shape {shape}, expected (64, 3, 7, 7) "
+                              "(imagenet stem) or (64, 3, 3, 3) (small stem)")
+    return stem
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+
+
+def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str = "auto") -> Backbone:
+    """Read the ResNet backbone of `path` (query encoder, or the momentum encoder with encoder="key").
+
+    layout="auto" tries every layout of ``LAYOUTS`` in order; a layout name forces one.
+    Raises CheckpointError with a one-line message for anything that is not a supported ResNet.
+    """
+    path = Path(path)
+    source = str(path)
+    if encoder not in ENCODERS:
+        raise CheckpointError(f"encoder={encoder!r}: expected one of {ENCODERS}")
+    if layout != "auto" and layout not in LAYOUTS:
+        raise CheckpointError(f"layout={layout!r}: expected 'auto' or one of {list(LAYOUTS)}")
+    ckpt = _load_file(path)
+    candidates = list(LAYOUTS.values()) if layout == "auto" else [LAYOUTS[layout]]
+
+    found = None
+    for candidate in candidates:
+        if _find(ckpt, candidate.query) is not None:
+            found = candidate
+            break
+    if found is None:
+        which = "no ResNet backbone found" if layout == "auto" else f"not in the {layout!r} layout ({LAYOUTS[layout].description})"
+        raise CheckpointError(f"{source}: {which}; {_describe(ckpt)}")
+
+    hit = _find(ckpt, found.query if encoder == "query" else found.key)
+    if hit is None:
+        raise CheckpointError(f"{source}: no momentum encoder in this {found.name!r} checkpoint "
+                              "(use --encoder query)")
+    tensors, others, container, _ = hit
+    other = _find(ckpt, found.key if encoder == "query" else found.query)
+    other_prefix = other[3] if other is not None and other[2] == container else None
+    backbone_tensors = {k: v for k, v in tensors.items() if _BACKBONE_KEY.match(k)}
+    if "conv1.weight" not in backbone_tensors:
+        raise CheckpointError(f"{source}: no ResNet backbone found; {_describe(ckpt)}")
+    stem = _detect_stem(backbone_tensors, source)
+    arch = _detect_arch(backbone_tensors, source)
+    state_dict = _validate(backbone_tensors, arch, stem, source)
+    # The other encoder's backbone is not "dropped": it is the --encoder choice not taken.
+    dropped = [k for k in tensors if k not in backbone_tensors] + [
+        k for k in others if other_prefix is None or not k.startswith(other_prefix)
+        or not _BACKBONE_KEY.match(k[len(other_prefix):])]
+    return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder)
+
+
+def build_resnet(backbone: Backbone) -> nn.Module:
+    """A torchvision ResNet (fc = Identity) holding `backbone`'s weights (strict load), in eval mode."""
+    net = _torchvision_resnet(backbone.arch, backbone.stem)
+    net.load_state_dict(backbone.state_dict, strict=True)
+    return net.eval()
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """write(tmp) into a temp file beside `path`, then rename: a failure never leaves a partial file
+    and never destroys an existing one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def summary_lines(backbone: Backbone) -> list[str]:
+    dropped = (f"dropped {len(backbone.dropped)} non-backbone tensors"
+               + (f" ({', '.join(backbone.dropped[:4])}{', ...' if len(backbone.dropped) > 4 else ''})"
+                  if backbone.dropped else ""))
+    return [f"read {backbone.source}: layout {backbone.layout}, {backbone.encoder} encoder, {backbone.arch} "
+            f"(depth {backbone.depth}, {backbone.stem} stem), {len(backbone.state_dict)} tensors",
+            dropped]
