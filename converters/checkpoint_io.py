@@ -17,6 +17,7 @@ one line naming the file and the keys, not later inside detectron2.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import pickle
@@ -347,6 +348,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser, output_help: str) -> None:
+    """The command-line arguments every converter shares."""
+    parser.add_argument("input", help="checkpoint of any supported layout")
+    parser.add_argument("output", help=output_help)
+    parser.add_argument("--encoder", choices=ENCODERS, default="query",
+                        help="query = the online encoder (default); key = the momentum (key/teacher) encoder")
+    parser.add_argument("--layout", choices=["auto", *LAYOUTS], default="auto",
+                        help="force a layout instead of detecting it: "
+                             + "; ".join(f"{name} = {lay.description}" for name, lay in LAYOUTS.items()))
 
 
 def summary_lines(backbone: Backbone) -> list[str]:

@@ -1,0 +1,54 @@
+"""Write a checkpoint's ResNet backbone as a plain torchvision ResNet state dict (no fc).
+
+    python -m converters.to_torchvision IN OUT.pth [--encoder query|key] [--layout auto|...]
+
+Load it with ``torchvision.models.<arch>().load_state_dict(sd, strict=False)`` (only ``fc.*`` is
+missing). A small-stem backbone keeps its 3x3 ``conv1``: rebuild the stem first
+(``conv1 = Conv2d(3, 64, 3, 1, 1, bias=False)``, ``maxpool = Identity()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from converters.checkpoint_io import CheckpointError, add_arguments, atomic_write, load_backbone, summary_lines
+
+
+def convert(in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query",
+            layout: str = "auto") -> dict:
+    out_path = Path(out_path)
+    if out_path.suffix == ".pkl":
+        raise CheckpointError(f"{out_path}: a torch.save file must not be named .pkl (detectron2 would read it "
+                              "with pickle); use .pth, or converters.to_detectron2 for a detectron2 pickle")
+    if out_path.exists() and Path(in_path).exists() and out_path.samefile(in_path):
+        raise CheckpointError(f"{out_path}: the output would overwrite the input")
+    backbone = load_backbone(in_path, encoder, layout)
+    atomic_write(out_path, lambda tmp: torch.save(backbone.state_dict, tmp))
+    return {"input": str(in_path), "output": str(out_path), "layout": backbone.layout, "encoder": encoder,
+            "arch": backbone.arch, "depth": backbone.depth, "stem": backbone.stem,
+            "tensors": len(backbone.state_dict), "dropped": backbone.dropped, "lines": summary_lines(backbone)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m converters.to_torchvision", description=__doc__.split("\n")[0])
+    add_arguments(parser, "torchvision state dict to write (.pth)")
+    args = parser.parse_args(argv)
+    try:
+        summary = convert(args.input, args.output, args.encoder, args.layout)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(*summary["lines"], sep="\n")
+    stem_note = "" if summary["stem"] == "imagenet" else "; small stem: rebuild conv1 as 3x3/1 and drop the max-pool"
+    print(f"wrote {summary['tensors']} tensors to {summary['output']}: torchvision.models.{summary['arch']}() "
+          f"loads them with strict=False (fc.* missing){stem_note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
