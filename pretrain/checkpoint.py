@@ -81,17 +81,50 @@ def save_training_state(path: Path, accelerator, method, optimizer, step: int, s
     accelerator.wait_for_everyone()
 
 
-def load_training_state(path: Path, accelerator, method, optimizer, steps_per_epoch: int) -> int:
+# A resume continues the same run: these keys must not change in between (the rest may, e.g.
+# train.max_steps or logging cadence).
+RESUME_INVARIANT_KEYS = ("method", "model", "optim.name", "optim.exclude_norm_bias", "train.batch_size")
+
+
+def _select(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _check_same_setup(path: Path, saved: dict, cfg) -> None:
+    current = OmegaConf.to_container(cfg)
+    for key in RESUME_INVARIANT_KEYS:
+        was, now = _select(saved, key), _select(current, key)
+        if was != now:
+            raise RuntimeError(f"checkpoint {path} was written with {key}={was}, this run has {key}={now}: "
+                               "resume with the same setting, or start afresh with train.resume=none "
+                               "or another train.output_dir")
+
+
+def load_training_state(path: Path, accelerator, method, optimizer, steps_per_epoch: int, cfg) -> int:
     """Restore everything saved by save_training_state; returns the global step to continue from."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
         raise RuntimeError(f"cannot read checkpoint {path}: {e}") from e
+    if not isinstance(state, dict) or not {"method", "optimizer", "step"} <= state.keys():
+        raise RuntimeError(f"{path} is not a training checkpoint (expected the keys method, optimizer, step; "
+                           "checkpoint_final.pth cannot be resumed, use checkpoint_last.pth)")
     if state.get("steps_per_epoch") != steps_per_epoch:
         raise RuntimeError(f"checkpoint {path} was written with {state.get('steps_per_epoch')} steps per epoch, "
                            f"this run has {steps_per_epoch}: data.root or train.batch_size changed")
-    method.load_state_dict(state["method"])
-    optimizer.load_state_dict(state["optimizer"])
+    _check_same_setup(path, state.get("config") or {}, cfg)
+    try:
+        method.load_state_dict(state["method"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise RuntimeError(f"checkpoint {path} does not fit this run's method/optimizer ({first}); "
+                           "resume with the config it was written with, or start afresh with train.resume=none "
+                           "or another train.output_dir") from None
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]

@@ -279,8 +279,12 @@ class BadImageTracker:
     def fraction(self) -> float:
         return len(self.bad) / self.seen if self.seen else 0.0
 
+    @property
+    def exceeded(self) -> bool:
+        return self.fraction > self.max_fraction
+
     def check(self) -> None:
-        if self.fraction > self.max_fraction:
+        if self.exceeded:
             raise RuntimeError(f"{self.summary()}, above max_fraction {self.max_fraction:.4%}; "
                                f"e.g. {', '.join(self.bad[:5])}")
 

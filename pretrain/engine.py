@@ -72,7 +72,7 @@ def train(cfg, accelerator: Accelerator) -> Path:
     step = 0
     checkpoint = resume_path(cfg)
     if checkpoint is not None:
-        step = load_training_state(checkpoint, accelerator, method, optimizer, steps_per_epoch)
+        step = load_training_state(checkpoint, accelerator, method, optimizer, steps_per_epoch, cfg)
         accelerator.print(f"resumed from {checkpoint} at step {step}")
     last_path = out / "checkpoint_last.pth"
 
@@ -89,7 +89,6 @@ def train(cfg, accelerator: Accelerator) -> Path:
         for images, _, bad in loader:
             t_data = time.perf_counter() - t0
             bad_images.update(bad, len(images[0]))
-            bad_images.check()
             lr = lr_at(cfg, step, steps_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -98,7 +97,14 @@ def train(cfg, accelerator: Accelerator) -> Path:
 
             output = model([x.to(accelerator.device, non_blocking=True) for x in images])
             loss = output["loss"]
-            if not dist.all_ranks_true(bool(torch.isfinite(loss.detach())), accelerator.device):
+            # One collective for both stop conditions, so that every rank stops together.
+            finite, images_ok = dist.all_ranks_true_each(
+                [bool(torch.isfinite(loss.detach())), not bad_images.exceeded], accelerator.device)
+            if not images_ok:
+                bad_images.check()  # raises naming this process's unreadable files
+                raise RuntimeError("unreadable images above data.max_bad_fraction on another process (see its "
+                                   "error for the file names)")
+            if not finite:
                 raise NonFiniteLossError(
                     f"non-finite loss ({loss.item()}) at step {step} (epoch {epoch}); stopped without saving. "
                     f"Last good checkpoint: {last_path if last_path.is_file() else 'none'}. Lower optim.lr, "

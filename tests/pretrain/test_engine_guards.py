@@ -1,0 +1,132 @@
+"""The engine's guards and optional paths end to end on CPU: unreadable images stop the run and
+name the files, resumes that do not fit the run fail clearly, bf16 autocast trains with fp32
+logits, and the kNN monitor logs what an independent weighted-kNN loop computes."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from pretrain.config import load_config
+from pretrain.engine import train
+from pretrain.knn import extract_features
+
+RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
+
+
+def _cfg(recipe: str, root: Path, out: Path, *overrides: str):
+    return load_config(RECIPES / f"{recipe}.yaml",
+                       [f"data.root={root}", f"train.output_dir={out}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    return Accelerator(cpu=True)
+
+
+@pytest.fixture()
+def small_copy(synthetic_root, tmp_path) -> Path:
+    """Two classes of the tiny train split (24 images), copied so that a test may corrupt them."""
+    train_root = synthetic_root / "imagenet" / "train"
+    for cls in sorted(p.name for p in train_root.iterdir())[:2]:
+        shutil.copytree(train_root / cls, tmp_path / "data" / cls)
+    return tmp_path / "data"
+
+
+def test_unreadable_images_above_the_limit_stop_the_run_naming_them(accelerator, small_copy, tmp_path):
+    files = sorted(small_copy.rglob("*.JPEG"))
+    for f in files[:3]:
+        f.write_bytes(b"not an image" * 10)
+    out = tmp_path / "run"
+    cfg = _cfg("tiny_simclr", small_copy, out, "train.batch_size=8", "train.epochs=1",
+               "data.max_bad_fraction=0.01")
+    with pytest.raises(RuntimeError, match="unreadable images") as e:
+        train(cfg, accelerator)
+    assert any(f.name in str(e.value) for f in files[:3]), str(e.value)
+    assert not (out / "checkpoint_final.pth").exists()
+    # Under the limit the same data trains to the end and reports the count.
+    cfg = _cfg("tiny_simclr", small_copy, tmp_path / "loose", "train.batch_size=8", "train.epochs=1",
+               "data.max_bad_fraction=0.5")
+    assert train(cfg, accelerator).is_file()
+
+
+def test_resume_that_does_not_fit_the_run_fails_clearly(accelerator, synthetic_root, tmp_path):
+    root, out = synthetic_root / "imagenet" / "train", tmp_path / "run"
+    train(_cfg("tiny_simclr", root, out, "train.max_steps=1"), accelerator)
+    with pytest.raises(RuntimeError, match=r"written with optim\.name=lars, this run has optim\.name=sgd"):
+        train(_cfg("tiny_simclr", root, out, "train.max_steps=2", "optim.name=sgd"), accelerator)
+    with pytest.raises(RuntimeError, match=r"written with method=.*this run has method="):
+        train(_cfg("tiny_simclr", root, out, "train.max_steps=2", "method.dim=64"), accelerator)
+    with pytest.raises(RuntimeError, match="is not a training checkpoint"):
+        train(_cfg("tiny_simclr", root, tmp_path / "other", "train.max_steps=2",
+                   f"train.resume={out / 'checkpoint_final.pth'}"), accelerator)
+    # A fitting resume still continues.
+    train(_cfg("tiny_simclr", root, out, "train.max_steps=2"), accelerator)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+
+
+BF16_RUN = """
+import json, sys, torch
+import pretrain.methods.base as base
+from pretrain.__main__ import main
+seen, original = [], base.info_nce
+def spy(pos, neg, *args, **kwargs):
+    seen.append([str(pos.dtype), str(neg.dtype), torch.is_autocast_enabled("cpu")])
+    return original(pos, neg, *args, **kwargs)
+base.info_nce = spy
+main(sys.argv[1:])
+print("SEEN=" + json.dumps(seen))
+"""
+
+
+def test_bf16_autocast_trains_with_fp32_logits(synthetic_root, tmp_path):
+    # A process of its own: Accelerate keeps one process-wide state, fixed at the first Accelerator.
+    out = tmp_path / "bf16"
+    res = subprocess.run([sys.executable, "-c", BF16_RUN, "--config", str(RECIPES / "tiny_mocov2.yaml"),
+                          f"data.root={synthetic_root / 'imagenet' / 'train'}", f"train.output_dir={out}",
+                          "train.max_steps=2", "train.mixed_precision=bf16"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = json.loads(res.stdout.rsplit("SEEN=", 1)[1])
+    assert seen and all(p == n == "torch.float32" for p, n, _ in seen), seen
+    assert all(autocast for _, _, autocast in seen), "the forward did not run under bf16 autocast"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "loss" in r]) == 2 and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+
+
+def test_knn_monitor_logs_the_weighted_knn_of_the_backbone(accelerator, synthetic_root, tmp_path):
+    train_dir, val_dir = synthetic_root / "imagenet" / "train", synthetic_root / "imagenet" / "val"
+    out = tmp_path / "knn"
+    k, t = 5, 0.1
+    cfg = _cfg("tiny_mocov2", train_dir, out, "train.epochs=1", f"knn.train_dir={train_dir}",
+               f"knn.val_dir={val_dir}", f"knn.k={k}", f"knn.temperature={t}")
+    final = torch.load(train(cfg, accelerator), weights_only=False)
+    logged = [json.loads(line)["knn_top1"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "knn_top1" in line]
+    assert len(logged) == 1
+
+    # Reference: the exported backbone, and a per-query loop of weighted voting.
+    from pretrain.models import build_backbone
+
+    backbone, _ = build_backbone(cfg.model.arch, cfg.model.stem)
+    backbone.load_state_dict(final["backbone"])
+    bank, bank_labels, _ = extract_features(backbone, str(train_dir), cfg.data.image_size, torch.device("cpu"))
+    query, labels, classes = extract_features(backbone, str(val_dir), cfg.data.image_size, torch.device("cpu"))
+    correct = 0
+    for q, y in zip(query, labels):
+        sims = torch.stack([torch.dot(q, b) for b in bank])
+        top = sims.argsort(descending=True)[:k]
+        votes = torch.zeros(len(classes))
+        for j in top:
+            votes[bank_labels[j]] += torch.exp(sims[j] / t)
+        correct += int(votes.argmax() == y)
+    assert logged[0] == pytest.approx(100.0 * correct / len(labels), abs=1e-6)
+    assert torch.allclose(bank.norm(dim=1), torch.ones(len(bank)), atol=1e-5)
