@@ -18,6 +18,7 @@ one line naming the file and the keys, not later inside detectron2.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import pickle
@@ -95,6 +96,7 @@ def _torchvision_resnet(arch: str, stem: str) -> nn.Module:
     return net
 
 
+@functools.lru_cache(maxsize=None)
 def _expected_shapes(arch: str, stem: str) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):  # shapes only: no memory, no initialization cost
         net = _torchvision_resnet(arch, stem)
@@ -163,17 +165,22 @@ def _container(ckpt, path: str) -> dict[str, torch.Tensor] | None:
     return tensors or None
 
 
+def _from_sequential(name: str) -> str:
+    head, _, rest = name.partition(".")
+    return f"{_SEQUENTIAL_CHILDREN[head]}.{rest}" if head in _SEQUENTIAL_CHILDREN else name
+
+
 def _torchvision_names(sub: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """The tensors under one prefix in torchvision names, or None if they do not look like a ResNet."""
     if "conv1.weight" in sub:
         return sub
     if "0.weight" in sub and any(k.startswith("4.0.") for k in sub):
-        renamed = {}
-        for k, v in sub.items():
-            head, _, rest = k.partition(".")
-            renamed[f"{_SEQUENTIAL_CHILDREN[head]}.{rest}" if head in _SEQUENTIAL_CHILDREN else k] = v
-        return renamed
+        return {_from_sequential(k): v for k, v in sub.items()}
     return None
+
+
+def _is_backbone_tensor(name: str) -> bool:
+    return bool(_BACKBONE_KEY.match(name) or _BACKBONE_KEY.match(_from_sequential(name)))
 
 
 def _find(ckpt, sources) -> tuple[dict[str, torch.Tensor], list[str], str, str] | None:
@@ -236,10 +243,13 @@ def _detect_arch(sd: dict[str, torch.Tensor], source: str) -> str:
         if m:
             stage, block = int(m.group(1)) - 1, int(m.group(2))
             counts[stage] = max(counts[stage], block + 1)
-    bottleneck = any(re.match(r"layer[1-4]\.\d+\.conv3\.weight$", k) for k in sd)
-    width = sd["layer1.0.conv1.weight"].shape[0] if "layer1.0.conv1.weight" in sd else 64
-    if not bottleneck:
-        width = 64  # basic blocks have no bottleneck width; a wrong conv1 width is a shape error below
+    first = sd.get("layer1.0.conv1.weight")
+    if first is not None and first.dim() == 4:
+        bottleneck = tuple(first.shape[2:]) == (1, 1)  # a bottleneck opens with a 1x1 conv, a basic block with 3x3
+    else:
+        bottleneck = any(re.match(r"layer[1-4]\.\d+\.conv3\.weight$", k) for k in sd)
+    # Basic blocks have no bottleneck width; a wrong width there is reported as a shape error.
+    width = first.shape[0] if bottleneck and first is not None and first.dim() == 4 else 64
     fits = [name for name, spec in ARCHS.items()
             if spec.bottleneck == bottleneck and spec.width_per_group == width
             and all(c <= b for c, b in zip(counts, spec.blocks))]
@@ -326,7 +336,7 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
     # The other encoder's backbone is not "dropped": it is the --encoder choice not taken.
     dropped = [k for k in tensors if k not in backbone_tensors] + [
         k for k in others if other_prefix is None or not k.startswith(other_prefix)
-        or not _BACKBONE_KEY.match(k[len(other_prefix):])]
+        or not _is_backbone_tensor(k[len(other_prefix):])]
     return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder)
 
 

@@ -1,0 +1,187 @@
+"""load_backbone / build_resnet: every layout, depth and stem detection, this project's real
+checkpoints, and the one-line errors for bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from converters.checkpoint_io import ARCHS, LAYOUTS, CheckpointError, build_resnet, load_backbone
+
+
+def _assert_same_tensors(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name].to(value.dtype), value), name
+
+
+@pytest.mark.parametrize("name", ["torchvision", "torchvision-ddp-nested", "project-final", "project-training",
+                                  "project-training-simclr", "moco-official", "mocov3-official", "solo-learn",
+                                  "lightly-sequential", "dino", "torch-compile", "vissl"])
+def test_every_layout_reads_the_same_backbone(name, layout_files, resnet18_pair):
+    path, layout, has_key = layout_files[name]
+    query, key = resnet18_pair
+
+    backbone = load_backbone(path)
+    assert (backbone.layout, backbone.arch, backbone.stem, backbone.depth) == (layout, "resnet18", "imagenet", 18)
+    _assert_same_tensors(backbone.state_dict, query)
+    assert not any(k.startswith("fc.") for k in backbone.state_dict)
+    # Heads, queues and classifiers are reported as dropped; the other encoder's backbone is not.
+    assert not any("conv1.weight" in k for k in backbone.dropped), backbone.dropped
+    assert load_backbone(path, layout=layout).state_dict.keys() == backbone.state_dict.keys()
+
+    if has_key:
+        _assert_same_tensors(load_backbone(path, encoder="key").state_dict, key)
+    else:
+        with pytest.raises(CheckpointError, match="no momentum encoder"):
+            load_backbone(path, encoder="key")
+
+
+def test_dropped_lists_heads_and_queues(layout_files):
+    dropped = load_backbone(layout_files["moco-official"][0]).dropped
+    assert {"fc.0.weight", "fc.2.weight", "queue", "queue_ptr"} <= set(dropped)
+    assert {"encoder_k.fc.0.weight"} <= set(dropped)
+
+
+def _expanded_state_dict(arch: str, stem: str) -> dict[str, torch.Tensor]:
+    """Right shapes, one element of storage each: torch.save keeps the expansion, files stay tiny."""
+    with torch.device("meta"):
+        net = getattr(torchvision.models, arch)(weights=None)
+        if stem == "small":
+            net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    return {k: torch.ones(1, dtype=v.dtype).expand(v.shape) if v.dim() else torch.tensor(0)
+            for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_depth_and_width_are_detected(arch, tmp_path):
+    torch.save(_expanded_state_dict(arch, "imagenet"), tmp_path / "w.pth")
+    backbone = load_backbone(tmp_path / "w.pth")
+    assert (backbone.arch, backbone.stem, backbone.depth) == (arch, "imagenet", ARCHS[arch].depth)
+    assert sorted(backbone.state_dict) == sorted(k for k in _expanded_state_dict(arch, "imagenet")
+                                                 if not k.startswith("fc."))
+
+
+def test_small_stem_is_detected(tmp_path):
+    torch.save(_expanded_state_dict("resnet50", "small"), tmp_path / "s.pth")
+    assert (load_backbone(tmp_path / "s.pth").arch, load_backbone(tmp_path / "s.pth").stem) == ("resnet50", "small")
+
+
+@pytest.mark.parametrize("stem", ["imagenet", "small"])
+def test_build_resnet_reproduces_the_source_network(stem, make_resnet, tmp_path):
+    source = make_resnet("resnet18", seed=3, stem=stem, image_size=32)
+    torch.save({"state_dict": {"backbone." + k: v for k, v in source.state_dict().items()}},
+               tmp_path / "b.pth")
+    backbone = load_backbone(tmp_path / "b.pth")
+    assert backbone.stem == stem
+    net = build_resnet(backbone)
+    assert not net.training and isinstance(net.fc, nn.Identity)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), source(x), rtol=0, atol=0)
+
+
+# ---- this project's own checkpoints, written by pretrain ------------------------------------------------------
+
+
+def test_reads_checkpoints_written_by_pretrain(tmp_path):
+    """checkpoint_final.pth (export_final) and checkpoint_last.pth (method state) of a real MoCo v2
+    model, both encoders; a real SimCLR training state (single encoder, `encoder.` prefix)."""
+    from pretrain.checkpoint import atomic_save, export_final
+    from pretrain.config import load_config
+    from pretrain.methods import METHODS
+
+    x = torch.randn(2, 3, 32, 32)
+    cfg = load_config("configs/pretrain/tiny_mocov2.yaml")
+    moco = METHODS["moco"](cfg, 1).eval()
+    with torch.no_grad():  # make the momentum encoder differ from the query encoder
+        for p in moco.encoder_q.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    export_final(tmp_path / "checkpoint_final.pth", moco, cfg, step=7)
+    atomic_save({"method": moco.state_dict(), "optimizer": {}, "rng": [{"numpy": np.random.get_state()}],
+                 "step": 7, "steps_per_epoch": 1, "config": {}}, tmp_path / "checkpoint_last.pth")
+    for file, layout in [("checkpoint_final.pth", "project"), ("checkpoint_last.pth", "project-training")]:
+        for encoder, reference in [("query", moco.backbone), ("key", moco.momentum_backbone)]:
+            backbone = load_backbone(tmp_path / file, encoder=encoder)
+            assert (backbone.layout, backbone.arch, backbone.stem) == (layout, cfg.model.arch, cfg.model.stem)
+            with torch.no_grad():
+                torch.testing.assert_close(build_resnet(backbone)(x), reference.eval()(x), rtol=0, atol=0)
+
+    cfg = load_config("configs/pretrain/tiny_simclr.yaml")
+    simclr = METHODS["simclr"](cfg, 1).eval()
+    atomic_save({"method": simclr.state_dict(), "step": 1}, tmp_path / "simclr_last.pth")
+    backbone = load_backbone(tmp_path / "simclr_last.pth")
+    assert backbone.layout == "project-training" and any(k.startswith("encoder.head.") for k in backbone.dropped)
+    with torch.no_grad():
+        torch.testing.assert_close(build_resnet(backbone)(x), simclr.backbone(x), rtol=0, atol=0)
+
+
+# ---- bad input: one line naming the file and what is wrong ------------------------------------------------------
+
+
+def _write(tmp_path, obj, name="bad.pth"):
+    path = tmp_path / name
+    if isinstance(obj, bytes):
+        path.write_bytes(obj)
+    else:
+        torch.save(obj, path)
+    return path
+
+
+def _torchvision_sd(resnet18_pair, drop=(), change=None):
+    sd = {k: v for k, v in resnet18_pair[0].items() if k not in drop}
+    sd.update(change or {})
+    return sd
+
+
+@pytest.mark.parametrize("case, match", [
+    ("text-file", r"bad\.pth: not a readable torch checkpoint"),
+    ("missing-file", r"nope\.pth: no such file"),
+    ("a-list", r"bad\.pth: no ResNet backbone found; the file holds a list"),
+    ("vit", r"bad\.pth: no ResNet backbone found; top-level keys \['state_dict'\]"),
+    ("missing-tensors", r"bad\.pth: 2 resnet18 backbone tensors missing, e\.g\. layer4\.1\.conv2\.weight, "
+                        r"layer4\.1\.bn2\.weight"),
+    ("wrong-shape", r"bad\.pth: layer2\.0\.conv1\.weight has shape \(128, 64, 1, 1\), expected \(128, 64, 3, 3\) "
+                    r"for resnet18"),
+    ("wrong-stem", r"bad\.pth: conv1\.weight has shape \(64, 3, 5, 5\), expected \(64, 3, 7, 7\)"),
+    ("too-deep", r"bad\.pth: basic blocks per stage \(2, 2, 40, 2\) .* fit no supported ResNet"),
+    ("foreign-block-tensor", r"bad\.pth: tensors layer1\.0\.conv3\.weight, layer1\.0\.bn3\.weight do not "
+                             r"belong to resnet18 \(2 unexpected backbone tensors\)"),
+])
+def test_bad_checkpoints_raise_one_line_errors(case, match, resnet18_pair, tmp_path):
+    sd = resnet18_pair[0]
+    path = {
+        "text-file": lambda: _write(tmp_path, b"this is not a checkpoint\n"),
+        "missing-file": lambda: tmp_path / "nope.pth",
+        "a-list": lambda: _write(tmp_path, [1, 2, 3]),
+        "vit": lambda: _write(tmp_path, {"state_dict": {"blocks.0.attn.qkv.weight": torch.zeros(3, 3),
+                                                        "cls_token": torch.zeros(1)}}),
+        "missing-tensors": lambda: _write(tmp_path, _torchvision_sd(
+            resnet18_pair, drop=("layer4.1.conv2.weight", "layer4.1.bn2.weight"))),
+        "wrong-shape": lambda: _write(tmp_path, _torchvision_sd(
+            resnet18_pair, change={"layer2.0.conv1.weight": torch.zeros(128, 64, 1, 1)})),
+        "wrong-stem": lambda: _write(tmp_path, _torchvision_sd(
+            resnet18_pair, change={"conv1.weight": torch.zeros(64, 3, 5, 5)})),
+        "too-deep": lambda: _write(tmp_path, _torchvision_sd(
+            resnet18_pair, change={"layer3.39.conv1.weight": sd["layer3.1.conv1.weight"]})),
+        "foreign-block-tensor": lambda: _write(tmp_path, _torchvision_sd(
+            resnet18_pair, change={"layer1.0.conv3.weight": torch.zeros(64, 64, 1, 1),
+                                   "layer1.0.bn3.weight": torch.zeros(64)})),
+    }[case]()
+    with pytest.raises(CheckpointError, match=match) as info:
+        load_backbone(path)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_options_and_forced_layouts(layout_files):
+    path = layout_files["moco-official"][0]
+    with pytest.raises(CheckpointError, match=r"layout='caffe2': expected 'auto' or one of"):
+        load_backbone(path, layout="caffe2")
+    with pytest.raises(CheckpointError, match=r"encoder='teacher': expected one of"):
+        load_backbone(path, encoder="teacher")
+    with pytest.raises(CheckpointError, match=r"moco-official\.pth: not in the 'vissl' layout \(VISSL checkpoints"):
+        load_backbone(path, layout="vissl")
+    assert set(LAYOUTS) == {"project", "project-training", "moco", "vissl", "backbone", "torchvision"}
