@@ -136,3 +136,20 @@ def layout_files(layouts, tmp_path_factory) -> dict[str, tuple[object, str, bool
 def make_resnet():
     """random_resnet(arch, seed, stem="imagenet", image_size=64) for the tests."""
     return random_resnet
+
+
+def expanded_state_dict(arch: str, stem: str = "imagenet") -> dict[str, torch.Tensor]:
+    """A torchvision ResNet's state dict (with fc) with the right shapes and one element of storage
+    per tensor: torch.save keeps the expansion, so even a ResNet-152 file is a few kB."""
+    with torch.device("meta"):
+        net = getattr(torchvision.models, arch)(weights=None)
+        if stem == "small":
+            net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    return {k: torch.ones(1, dtype=v.dtype).expand(v.shape) if v.dim() else torch.tensor(0)
+            for k, v in net.state_dict().items()}
+
+
+@pytest.fixture(scope="session")
+def make_expanded():
+    """expanded_state_dict(arch, stem="imagenet") for the tests."""
+    return expanded_state_dict

@@ -46,27 +46,17 @@ def test_dropped_lists_heads_and_queues(layout_files):
     assert {"encoder_k.fc.0.weight"} <= set(dropped)
 
 
-def _expanded_state_dict(arch: str, stem: str) -> dict[str, torch.Tensor]:
-    """Right shapes, one element of storage each: torch.save keeps the expansion, files stay tiny."""
-    with torch.device("meta"):
-        net = getattr(torchvision.models, arch)(weights=None)
-        if stem == "small":
-            net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
-    return {k: torch.ones(1, dtype=v.dtype).expand(v.shape) if v.dim() else torch.tensor(0)
-            for k, v in net.state_dict().items()}
-
-
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_depth_and_width_are_detected(arch, tmp_path):
-    torch.save(_expanded_state_dict(arch, "imagenet"), tmp_path / "w.pth")
+def test_depth_and_width_are_detected(arch, make_expanded, tmp_path):
+    full = make_expanded(arch)
+    torch.save(full, tmp_path / "w.pth")
     backbone = load_backbone(tmp_path / "w.pth")
     assert (backbone.arch, backbone.stem, backbone.depth) == (arch, "imagenet", ARCHS[arch].depth)
-    assert sorted(backbone.state_dict) == sorted(k for k in _expanded_state_dict(arch, "imagenet")
-                                                 if not k.startswith("fc."))
+    assert sorted(backbone.state_dict) == sorted(k for k in full if not k.startswith("fc."))
 
 
-def test_small_stem_is_detected(tmp_path):
-    torch.save(_expanded_state_dict("resnet50", "small"), tmp_path / "s.pth")
+def test_small_stem_is_detected(make_expanded, tmp_path):
+    torch.save(make_expanded("resnet50", "small"), tmp_path / "s.pth")
     assert (load_backbone(tmp_path / "s.pth").arch, load_backbone(tmp_path / "s.pth").stem) == ("resnet50", "small")
 
 
