@@ -21,7 +21,7 @@ from tqdm import tqdm
 from pretrain import dist
 from pretrain.checkpoint import export_final, git_sha, load_training_state, resume_path, save_training_state
 from pretrain.config import per_process_batch, scaled_lr
-from pretrain.data import BadImageTracker, ImageDataset, build_loader, build_view_transforms, set_loader_epoch
+from pretrain.data import BadImageTracker, ImageDataset, build_loader, set_loader_epoch
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
@@ -56,7 +56,7 @@ def train(cfg, accelerator: Accelerator) -> Path:
     optimizer = build_optimizer(method, cfg)
 
     # ------------------------------------------------------------------ data
-    views = build_view_transforms(cfg.data.augmentation, cfg.data.image_size)
+    views = method.view_transforms(cfg)  # two views of data.augmentation, or the method's own (multi-crop)
     dataset = ImageDataset(cfg.data.root, views, seed=cfg.train.seed)
     loader = build_loader(dataset, n_local, n_proc, accelerator.process_index, cfg.train.seed,
                           cfg.data.num_workers, cfg.data.pin_memory and accelerator.device.type == "cuda")
@@ -112,6 +112,7 @@ def train(cfg, accelerator: Accelerator) -> Path:
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             optimizer.step()
+            method.after_step()  # e.g. AdCo's adversary ascent with this step's queries
             step += 1
             t_step = time.perf_counter() - t0
 

@@ -7,7 +7,11 @@ pointers as buffers), so one ``state_dict`` resumes it. The engine only relies o
 * ``check(cfg, num_processes)``: raise ``ConfigError`` for impossible settings, before anything runs;
 * ``sync_bn``: convert BN to SyncBN when several processes run (SimCLR, SiMo); MoCo-style methods
   keep per-process BN with shuffle BN instead;
+* ``view_transforms(cfg)``: the augmentation of each view the method consumes (two views of
+  ``data.augmentation`` unless the method wants more, e.g. AdCo's multi-crop);
 * ``forward(views) -> dict``: ``"loss"`` (scalar with gradient) plus detached scalars to log;
+* ``after_step()``: called after every optimizer step, for state updates that must see the
+  stepped network or the step's forward (e.g. AdCo's adversary ascent); a no-op by default;
 * ``backbone`` / ``momentum_backbone``: the torchvision ResNets exported in ``checkpoint_final.pth``;
 * ``watch_grad``: when the engine sets it, the method keeps its queries' gradient (``watched``)
   for the ‖∂L/∂q‖ diagnostic.
@@ -15,14 +19,16 @@ pointers as buffers), so one ``state_dict`` resumes it. The engine only relies o
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
 from pretrain.config import ConfigError
+from pretrain.data import build_view_transforms
 from pretrain.diagnostics import contrastive_stats
-from pretrain.losses import SAMPLING_MODES, eqco_margin, info_nce, sample_negatives
+from pretrain.losses import (SAMPLING_MODES, DCLLoss, DualTemperatureLoss, eqco_margin, info_nce,
+                             sample_negatives)
 
 
 class Method(nn.Module):
@@ -37,6 +43,13 @@ class Method(nn.Module):
     @classmethod
     def check(cls, cfg, num_processes: int) -> None:
         """Raise ConfigError naming the key and the allowed values for impossible settings."""
+
+    @classmethod
+    def view_transforms(cls, cfg) -> list[Callable]:
+        return build_view_transforms(cfg.data.augmentation, cfg.data.image_size)
+
+    def after_step(self) -> None:
+        """Called by the engine right after ``optimizer.step()`` (outside autocast)."""
 
     @property
     def backbone(self) -> nn.Module:
@@ -53,11 +66,25 @@ class Method(nn.Module):
 
 
 # Keys shared by every InfoNCE host; EqCo is `eqco_alpha` (+ `num_negatives` to contrast fewer).
+# `loss` swaps the objective on the same (positive, negatives) similarities: DCL/DCLW remove the
+# positive from the denominator, dual_temperature reweights each anchor (τ_α = temperature).
 INFONCE_DEFAULTS: dict[str, Any] = {
+    "loss": "infonce",  # infonce | dcl | dclw | dual_temperature
     "temperature": 0.2,
     "eqco_alpha": None,  # EqCo: margin τ·log(α/K) on the positive; None = plain InfoNCE
     "num_negatives": None,  # K negatives drawn per query without replacement; None = all available
     "negative_sampling": "per_query",  # per_query | per_batch
+    "dclw_sigma": 0.5,  # DCLW: w = 2 − N·softmax(⟨z1,z2⟩/σ) over the batch
+    "dclw_detach": True,  # DCLW weights from detached similarities (lightly); False: they carry gradient
+    "inter_temperature": 1.0,  # dual_temperature: τ_β
+}
+
+# method.loss -> the criterion on (pos, neg) cosines; None is InfoNCE with EqCo's margin.
+LOSSES: dict[str, Callable[[Any], nn.Module | None]] = {
+    "infonce": lambda m: None,
+    "dcl": lambda m: DCLLoss(m.temperature),
+    "dclw": lambda m: DCLLoss(m.temperature, weight_sigma=m.dclw_sigma, detach_weights=m.dclw_detach),
+    "dual_temperature": lambda m: DualTemperatureLoss(m.temperature, m.inter_temperature),
 }
 
 
@@ -74,6 +101,14 @@ class InfoNCEHost(Method):
         m = cfg.method
         if m.temperature is None or m.temperature <= 0:
             raise ConfigError(f"method.temperature={m.temperature}: expected a positive number")
+        if m.loss not in LOSSES:
+            raise ConfigError(f"method.loss={m.loss!r}: expected one of {list(LOSSES)}")
+        if m.eqco_alpha is not None and m.loss != "infonce":
+            raise ConfigError(f"method.eqco_alpha={m.eqco_alpha}: EqCo's margin applies to method.loss=infonce only "
+                              f"(got {m.loss!r}); set method.eqco_alpha=null")
+        for key in ("dclw_sigma", "inter_temperature"):
+            if not (isinstance(m[key], (int, float)) and m[key] > 0):
+                raise ConfigError(f"method.{key}={m[key]}: expected a positive number")
         if m.negative_sampling not in SAMPLING_MODES:
             raise ConfigError(f"method.negative_sampling={m.negative_sampling!r}: expected one of {list(SAMPLING_MODES)}")
         if m.eqco_alpha is not None and m.eqco_alpha <= 0:
@@ -89,14 +124,26 @@ class InfoNCEHost(Method):
         self.eqco_alpha = method_cfg.eqco_alpha
         self.num_negatives = method_cfg.num_negatives
         self.negative_sampling = method_cfg.negative_sampling
+        self.criterion = LOSSES[method_cfg.loss](method_cfg)
 
     def contrast(self, pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """InfoNCE of (N,) positive and (N, K) negative cosines, with EqCo's margin m = τ·log(α/K)
-        computed from the K negatives actually contrasted per query; returns (loss, diagnostics)."""
+        """The configured loss of (N,) positive and (N, K) negative cosines; returns (loss, diagnostics).
+
+        InfoNCE takes EqCo's margin m = τ·log(α/K) from the K negatives actually contrasted per
+        query. The diagnostics always describe InfoNCE at these similarities (MI bound, NPC
+        multiplier), so that DCL/dual-temperature runs compare with their InfoNCE hosts.
+        """
         if self.num_negatives is not None:
             neg = sample_negatives(neg, self.num_negatives, self.negative_sampling)
         k = neg.shape[1]
         margin = 0.0 if self.eqco_alpha is None else eqco_margin(self.temperature, self.eqco_alpha, k)
-        loss = info_nce(pos, neg, self.temperature, margin)
-        stats = contrastive_stats(pos, neg, self.temperature, margin, loss, self.eqco_alpha or k)
+        if self.criterion is None:
+            loss = nce = info_nce(pos, neg, self.temperature, margin)
+        else:
+            loss = self.criterion(pos, neg)
+            with torch.no_grad():
+                nce = info_nce(pos, neg, self.temperature)
+        stats = contrastive_stats(pos, neg, self.temperature, margin, nce, self.eqco_alpha or k)
+        if self.criterion is not None:
+            stats["infonce"] = nce
         return loss, stats

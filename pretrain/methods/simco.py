@@ -1,0 +1,72 @@
+"""SimMoCo and SimCo (Zhang et al., "Dual Temperature Helps Contrastive Learning Without Many
+Negative Samples", CVPR'22; code: ChaoningZhang/Dual-temperature, solo-learn based).
+
+Both contrast a query with the *current batch* only (no queue) under the dual-temperature
+InfoNCE (``losses/dual_temperature.py``: τ_α = ``temperature`` 0.1 within an anchor, τ_β =
+``inter_temperature`` 1.0 across anchors). Per step, for N local images with views x1, x2:
+
+SimMoCo = MoCo v2 − queue:
+    f_k ← m·f_k + (1−m)·f_q                                      (m = 0.99)
+    q = normalize(f_q(x1)),  K_all = gather(normalize(f_k(x2)))  B keys, no gradient
+    L = DT(⟨q_i, K_all[r·N+i]⟩, {⟨q_i, K_all[j]⟩}_{j≠r·N+i})       asymmetric; ``symmetric``
+                                                                   averages both directions
+SimCo = SimMoCo − momentum encoder:
+    z1, z2 = normalize(f(x1)), normalize(f(x2))                  one encoder, both with gradient
+    L = ½·[DT(z1 vs gather_with_grad(z2)) + DT(z2 vs gather_with_grad(z1))]
+
+Negatives: the B−1 other samples of the other view. The official code runs on one GPU, where its
+local batch is the whole batch; gathering over processes (and SyncBN, ``sync_bn``) keeps that
+meaning for any number of processes. The head is MoCo v2's MLP without BN. The repo's EMA runs
+after the optimizer step; SimMoCo inherits SiMo's update before the keys of the next step, which
+is the same sequence of key encoders.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pretrain import dist
+from pretrain.losses import in_batch_similarities
+from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost
+from pretrain.methods.simo import SiMo
+from pretrain.models import build_encoder
+
+DUAL_TEMPERATURE = {"loss": "dual_temperature", "temperature": 0.1, "inter_temperature": 1.0, "eqco_alpha": None}
+
+
+class SimMoCo(SiMo):
+    defaults = {**SiMo.defaults, **DUAL_TEMPERATURE, "head": "mlp", "momentum": 0.99}
+
+    def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = super().forward(views)
+        if self.symmetric:  # SiMo sums the two directions; the repo's --plus_version averages them
+            out["loss"] = 0.5 * out["loss"]
+        return out
+
+
+class SimCo(InfoNCEHost):
+    defaults = {**INFONCE_DEFAULTS, **DUAL_TEMPERATURE, "dim": 128, "head": "mlp", "hidden_dim": None}
+    sync_bn = True
+
+    @classmethod
+    def available_negatives(cls, cfg, num_processes: int) -> int:
+        return cfg.train.batch_size - 1
+
+    def __init__(self, cfg, num_processes: int) -> None:
+        super().__init__(cfg.method)
+        m = cfg.method
+        self.encoder = build_encoder(cfg.model.arch, cfg.model.stem, m.head, m.dim, m.hidden_dim)
+
+    @property
+    def backbone(self):
+        return self.encoder.backbone
+
+    def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        # One forward per view (BN statistics per view), as solo-learn does.
+        z1, z2 = (F.normalize(self.encoder(x).float(), dim=1) for x in views[:2])
+        self.watch(z1)
+        offset = dist.rank_offset(z1.shape[0])
+        loss_12, logs = self.contrast(*in_batch_similarities(z1, dist.gather_with_grad(z2), offset))
+        loss_21, _ = self.contrast(*in_batch_similarities(z2, dist.gather_with_grad(z1), offset))
+        return {**logs, "loss": 0.5 * (loss_12 + loss_21)}
