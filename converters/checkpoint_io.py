@@ -122,10 +122,12 @@ def _sources(containers: tuple[str, ...], prefixes: tuple[str, ...]) -> tuple[tu
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("project", "this project's checkpoint_final.pth (backbone / momentum_backbone in torchvision names)",
            query=(("backbone", ""),), key=(("momentum_backbone", ""),)),
-    Layout("project-training", "this project's checkpoint_last.pth (method state: encoder_q./encoder./encoder_k. + backbone.)",
+    Layout("project-training",
+           "this project's checkpoint_last.pth (method state: encoder_q./encoder./encoder_k. + backbone.)",
            query=_sources(("method",), ("encoder_q.backbone.", "encoder.backbone.", "online.backbone.")),
            key=_sources(("method",), ("encoder_k.backbone.", "momentum_encoder.backbone.", "target.backbone."))),
-    Layout("moco", "official MoCo v1/v2/v3 and AdCo checkpoints (state_dict with module.encoder_q. / module.base_encoder.)",
+    Layout("moco",
+           "official MoCo v1/v2/v3 and AdCo checkpoints (state_dict with module.encoder_q. / module.base_encoder.)",
            query=_sources(("state_dict", ""), ("encoder_q.", "base_encoder.")),
            key=_sources(("state_dict", ""), ("encoder_k.", "momentum_encoder."))),
     Layout("vissl", "VISSL checkpoints (classy_state_dict.base_model.model.trunk with _feature_blocks.)",
@@ -311,13 +313,10 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
     ckpt = _load_file(path)
     candidates = list(LAYOUTS.values()) if layout == "auto" else [LAYOUTS[layout]]
 
-    found = None
-    for candidate in candidates:
-        if _find(ckpt, candidate.query) is not None:
-            found = candidate
-            break
+    found = next((candidate for candidate in candidates if _find(ckpt, candidate.query) is not None), None)
     if found is None:
-        which = "no ResNet backbone found" if layout == "auto" else f"not in the {layout!r} layout ({LAYOUTS[layout].description})"
+        which = ("no ResNet backbone found" if layout == "auto"
+                 else f"not in the {layout!r} layout ({LAYOUTS[layout].description})")
         raise CheckpointError(f"{source}: {which}; {_describe(ckpt)}")
 
     hit = _find(ckpt, found.query if encoder == "query" else found.key)
