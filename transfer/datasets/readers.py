@@ -1,0 +1,137 @@
+"""Image lists of the frozen-feature protocols: ImageNet folders, Places205 csv lists, VOC07 labels.
+
+Each reader returns an ``ImageList`` (paths + integer labels) that torch's DataLoader reads; the
+VOC reader also returns the per-class label matrix of the VOC classification files. torchvision's
+ImageFolder scan is reused for ImageNet; Places205's space-separated ``.csv`` lists and the VOC
+per-class files have no reader in torchvision or detectron2 (detectron2 reads VOC boxes, not
+the ``<cls>_<split>.txt`` image labels), hence these few lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.datasets.folder import find_classes, make_dataset, IMG_EXTENSIONS
+
+PLACES205_LISTS = "trainvalsplit_places205"
+PLACES205_IMAGES = "data/vision/torralba/deeplearning/images256"
+
+
+@dataclass
+class ImageList(Dataset):
+    """Images read as RGB PIL images, passed through `transform`; item = (image, label)."""
+
+    paths: list[str]
+    labels: list[int]
+    classes: list[str]
+    transform: object = None
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        try:
+            with Image.open(self.paths[i]) as im:
+                image = im.convert("RGB")
+        except OSError as e:
+            raise OSError(f"cannot read image {self.paths[i]}: {e}") from None
+        return (self.transform(image) if self.transform is not None else image), self.labels[i]
+
+    def fingerprint(self) -> str:
+        """Identifies the list (paths, labels, file sizes) for feature caches."""
+        h = hashlib.sha256()
+        for p, y in zip(self.paths, self.labels):
+            h.update(f"{p}\t{y}\t{os.path.getsize(p)}\n".encode())
+        return h.hexdigest()
+
+
+def read_image_folder(root: str | os.PathLike) -> ImageList:
+    """torchvision ImageFolder layout ``root/<class>/<image>``; labels from sorted class folders."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a directory (expected an ImageFolder root <class>/<image>)")
+    classes, class_to_idx = find_classes(str(root))
+    samples = make_dataset(str(root), class_to_idx, extensions=IMG_EXTENSIONS)
+    return ImageList([p for p, _ in samples], [y for _, y in samples], classes)
+
+
+def read_places205(root: str | os.PathLike, split: str) -> ImageList:
+    """``root/trainvalsplit_places205/<split>_places205.csv``: lines ``<relative path> <label>``
+    (space separated despite the extension), images under ``root/data/vision/torralba/deeplearning/images256``."""
+    root = Path(root)
+    listing = root / PLACES205_LISTS / f"{split}_places205.csv"
+    if not listing.is_file():
+        raise FileNotFoundError(f"{listing}: missing (expected the Places205 file list "
+                                f"{PLACES205_LISTS}/{{train,val}}_places205.csv under --data-root)")
+    paths, labels = [], []
+    for n, line in enumerate(listing.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].lstrip("-").isdigit() or int(parts[1]) < 0:
+            raise ValueError(f"{listing}:{n}: expected '<relative/path.jpg> <label >= 0>', got {line!r}")
+        paths.append(str(root / PLACES205_IMAGES / parts[0]))
+        labels.append(int(parts[1]))
+    if not paths:
+        raise ValueError(f"{listing}: no images listed")
+    # Class names from the folder part of the paths (``a/abbey/x.jpg`` → ``a/abbey``), by label.
+    names: dict[int, str] = {}
+    for p, y in zip(paths, labels):
+        names.setdefault(y, str(Path(p).relative_to(root / PLACES205_IMAGES).parent))
+    classes = [names.get(y, str(y)) for y in range(max(labels) + 1)]
+    return ImageList(paths, labels, classes)
+
+
+@dataclass
+class VocLabels:
+    """VOC classification labels of one split: ``labels[i, c]`` is the value of
+    ``ImageSets/Main/<classes[c]>_<split>.txt`` for image ``ids[i]``: 1 present, -1 absent,
+    0 present only as difficult."""
+
+    split: str
+    ids: list[str]
+    classes: list[str]
+    labels: np.ndarray  # (N, C) int8 in {1, -1, 0}
+    images: ImageList
+
+
+def read_voc_labels(voc_root: str | os.PathLike, split: str) -> VocLabels:
+    """Class order = sorted ``<cls>_<split>.txt`` names (only names that split by ``_`` into exactly
+    two parts, as the FAIR tools do: this skips ``trainval.txt``); every class file must list the
+    same image ids in the same order."""
+    voc_root = Path(voc_root)
+    main = voc_root / "ImageSets" / "Main"
+    if not main.is_dir():
+        hint = f" (did you mean {voc_root / 'VOC2007'}?)" if (voc_root / "VOC2007").is_dir() else ""
+        raise FileNotFoundError(f"{main}: missing; --voc-root must be a VOC2007 folder with "
+                                f"ImageSets/Main/<class>_<split>.txt and JPEGImages/{hint}")
+    files = sorted(p for p in main.glob(f"*_{split}.txt") if len(p.stem.split("_")) == 2)
+    if not files:
+        raise FileNotFoundError(f"{main}: no <class>_{split}.txt files (is '{split}' a split of this VOC folder?)")
+    classes = [p.stem.split("_")[0] for p in files]
+    ids: list[str] | None = None
+    columns = []
+    for path in files:
+        rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+        bad = next((r for r in rows if len(r) != 2 or r[1] not in ("1", "-1", "0")), None)
+        if bad is not None:
+            raise ValueError(f"{path}: expected lines '<image id> <1|-1|0>', got {' '.join(bad)!r}")
+        these = [r[0] for r in rows]
+        if ids is None:
+            ids = these
+        elif these != ids:
+            raise ValueError(f"{path}: lists other image ids (or another order) than {files[0]}")
+        columns.append([int(r[1]) for r in rows])
+    labels = np.asarray(columns, dtype=np.int8).T
+    paths = [str(voc_root / "JPEGImages" / f"{i}.jpg") for i in ids]
+    missing = next((p for p in paths if not os.path.isfile(p)), None)
+    if missing is not None:
+        raise FileNotFoundError(f"{missing}: image listed in {files[0]} is missing")
+    # ImageList labels are unused by the SVM; it reads the matrix.
+    return VocLabels(split, ids, classes, labels, ImageList(paths, [0] * len(paths), classes))

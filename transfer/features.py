@@ -1,0 +1,221 @@
+"""Frozen ResNet features: layers and pooling of the FAIR/VISSL benchmark, preprocessing, disk cache.
+
+Layers (the FAIR tools' table for a 224×224 input, ImageNet stem, ResNet-50 widths):
+
+    layer    node     map        AvgPool2d(kernel, stride, pad)   out      dim
+    conv1    relu     64×112²    (10, 10, 4)                       12×12    9216
+    res2     layer1   256×56²    (16, 8, 0)                        6×6      9216
+    res3     layer2   512×28²    (13, 5, 0)                        4×4      8192
+    res4     layer3   1024×14²   (8, 3, 0)                         3×3      9216
+    res5     layer4   2048×7²    (6, 1, 0)                         2×2      8192
+    res5avg  layer4   2048×7²    global average                    1×1      2048
+
+so dim = channels × out² (res5avg = the backbone's feature width: 2048 for ResNet-50, 512 for
+ResNet-18). For other map sizes (small images, the small stem) the pooling keeps the output grid g:
+stride s = max(1, round(s₀·H/H₀)), pad p = round(p₀·H/H₀), kernel k = H + 2p − (g−1)·s, which is
+exactly the table at H = H₀. Every result records the pooling it used.
+
+Preprocessing: "warp" (VOC07 SVM: shorter side → resize, then resize to crop×crop, aspect not
+kept, no crop) or "center" (linear/kNN evaluation: shorter side → resize, center crop).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+from torchvision.models.feature_extraction import create_feature_extractor
+from torchvision.transforms import v2
+from tqdm import tqdm
+
+from converters.checkpoint_io import Backbone, atomic_write, build_resnet, load_backbone
+
+logger = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    node: str  # torchvision ResNet node whose output is pooled
+    grid: int  # output grid g (0 = global average)
+    ref_map: int = 0  # map side H₀ at 224 input with the ImageNet stem
+    ref_stride: int = 0
+    ref_pad: int = 0
+
+
+LAYERS = {
+    "conv1": LayerSpec("relu", 12, 112, 10, 4),
+    "res2": LayerSpec("layer1", 6, 56, 8, 0),
+    "res3": LayerSpec("layer2", 4, 28, 5, 0),
+    "res4": LayerSpec("layer3", 3, 14, 3, 0),
+    "res5": LayerSpec("layer4", 2, 7, 1, 0),
+    "res5avg": LayerSpec("layer4", 0),
+}
+
+
+def pooling_for(layer: str, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None:
+    """(kernel, stride, pad) per axis for `layer` on an H×W map; None for global average."""
+    spec = LAYERS[layer]
+    if spec.grid == 0:
+        return None
+    out = []
+    for size in (height, width):
+        stride = max(1, round(spec.ref_stride * size / spec.ref_map))
+        pad = round(spec.ref_pad * size / spec.ref_map)
+        kernel = size + 2 * pad - (spec.grid - 1) * stride
+        if kernel < 1 or size < spec.grid:
+            raise ValueError(f"layer {layer}: a {height}×{width} map is too small for its {spec.grid}×{spec.grid} "
+                             "pooling grid; use larger images (--resize/--crop)")
+        pad = min(pad, kernel // 2)  # AvgPool2d's limit; only matters far from the reference size
+        out.append((kernel, stride, pad))
+    (kh, sh, ph), (kw, sw, pw) = out
+    return (kh, kw), (sh, sw), (ph, pw)
+
+
+def pool(layer: str, fmap: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) map → (B, dim) feature of `layer`."""
+    ops = pooling_for(layer, fmap.shape[2], fmap.shape[3])
+    if ops is None:
+        return fmap.mean(dim=(2, 3))
+    kernel, stride, pad = ops
+    return F.avg_pool2d(fmap, kernel, stride, pad).flatten(1)
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    resize: int = 256  # shorter side
+    crop: int = 224  # network input side
+    mode: str = "warp"  # "warp" (VOC07 SVM) | "center" (linear / kNN evaluation)
+
+    def __post_init__(self):
+        if self.mode not in ("warp", "center"):
+            raise ValueError(f"preprocessing mode {self.mode!r}: expected 'warp' or 'center'")
+        if not 0 < self.crop <= self.resize:
+            raise ValueError(f"--crop {self.crop} / --resize {self.resize}: expected 0 < crop <= resize")
+
+    def transform(self) -> v2.Compose:
+        second = v2.Resize((self.crop, self.crop), antialias=True) if self.mode == "warp" else v2.CenterCrop(self.crop)
+        return v2.Compose([v2.ToImage(), v2.Resize(self.resize, antialias=True), second,
+                           v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+                           v2.ToPureTensor()])
+
+    def describe(self) -> dict:
+        second = f"resize to {self.crop}x{self.crop}" if self.mode == "warp" else f"center crop {self.crop}"
+        return {**asdict(self), "ops": f"shorter side {self.resize}, {second}, ImageNet mean/std"}
+
+
+def load_model(weights: str | os.PathLike, encoder: str = "query", layout: str = "auto") -> tuple[nn.Module, Backbone]:
+    """The frozen backbone of any checkpoint the converters read, in eval mode, without gradients."""
+    backbone = load_backbone(weights, encoder=encoder, layout=layout)
+    model = build_resnet(backbone)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, backbone
+
+
+class LayerFeatures(nn.Module):
+    """Backbone → {layer: (B, dim) pooled features}; only the nodes the layers need are run."""
+
+    def __init__(self, model: nn.Module, layers: list[str]) -> None:
+        super().__init__()
+        unknown = [name for name in layers if name not in LAYERS]
+        if unknown:
+            raise ValueError(f"layers {unknown}: expected names from {list(LAYERS)}")
+        self.layers = list(layers)
+        nodes = sorted({LAYERS[name].node for name in layers})
+        self.body = create_feature_extractor(model, return_nodes={n: n for n in nodes})
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        maps = self.body(x)
+        return {name: pool(name, maps[LAYERS[name].node]) for name in self.layers}
+
+    def describe(self, crop: int) -> dict[str, dict]:
+        """Per layer: feature dim, map size and pooling for a crop×crop input."""
+        with torch.no_grad():
+            maps = self.body(torch.zeros(1, 3, crop, crop))
+        out = {}
+        for name in self.layers:
+            fmap = maps[LAYERS[name].node]
+            ops = pooling_for(name, fmap.shape[2], fmap.shape[3])
+            out[name] = {"dim": int(pool(name, fmap).shape[1]), "map": list(fmap.shape[1:]),
+                         "pooling": "global average" if ops is None else
+                         {"kernel": list(ops[0]), "stride": list(ops[1]), "pad": list(ops[2])}}
+        return out
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@torch.no_grad()
+def extract(extractor: LayerFeatures, dataset, batch_size: int = 32, workers: int = 0,
+            device: torch.device | None = None, desc: str = "features") -> dict[str, np.ndarray]:
+    """{layer: (N, dim) float32} for every image of `dataset` (items (image, label)), in order."""
+    device = device or default_device()
+    extractor = extractor.to(device).eval()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+                        pin_memory=device.type == "cuda")
+    chunks: dict[str, list[np.ndarray]] = {name: [] for name in extractor.layers}
+    for images, _ in tqdm(loader, desc=desc, unit="batch", leave=False, disable=None):
+        for name, feats in extractor(images.to(device, non_blocking=True)).items():
+            chunks[name].append(feats.float().cpu().numpy())
+    return {name: np.concatenate(c) for name, c in chunks.items()}
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class FeatureCache:
+    """Features on disk per (checkpoint, layer, split): ``<root>/<key>/<split>_<layer>_features.npy``.
+
+    key = hash of the checkpoint bytes, encoder, preprocessing and the image list, so a changed
+    file, list or transform never reuses stale features; a re-run with the same inputs only reads.
+    """
+
+    def __init__(self, root: str | os.PathLike, weights: str | os.PathLike, encoder: str,
+                 preprocessing: Preprocessing) -> None:
+        self.root = Path(root)
+        self.identity = {"checkpoint_sha256": file_digest(weights), "encoder": encoder,
+                         "preprocessing": asdict(preprocessing)}
+
+    def _dir(self, dataset) -> Path:
+        key = json.dumps({**self.identity, "images": dataset.fingerprint()}, sort_keys=True)
+        return self.root / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def path(self, dataset, split: str, layer: str) -> Path:
+        return self._dir(dataset) / f"{split}_{layer}_features.npy"
+
+    def get(self, extractor_for, dataset, split: str, layers: list[str], **extract_kwargs) -> dict[str, np.ndarray]:
+        """Cached features of `layers`; the missing ones are extracted in one pass with
+        `extractor_for(missing_layers)` and written atomically."""
+        missing = [name for name in layers if not self.path(dataset, split, name).is_file()]
+        if missing:
+            feats = extract(extractor_for(missing), dataset, desc=f"{split} features", **extract_kwargs)
+            for name in missing:
+                atomic_write(self.path(dataset, split, name), lambda tmp, a=feats[name]: _save_npy(tmp, a))
+            meta = self._dir(dataset) / "cache.json"
+            atomic_write(meta, lambda tmp: tmp.write_text(json.dumps(self.identity, indent=1)))
+        else:
+            logger.info("features of %s (%s) read from the cache %s", split, ", ".join(layers), self._dir(dataset))
+        return {name: np.load(self.path(dataset, split, name)) for name in layers}
+
+
+def _save_npy(tmp: Path, array: np.ndarray) -> None:
+    with open(tmp, "wb") as f:  # a file object: np.save would append ".npy" to the temp name
+        np.save(f, array)

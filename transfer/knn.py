@@ -1,0 +1,115 @@
+"""Weighted kNN classification on frozen, L2-normalized backbone features (InstDisc protocol).
+
+    python -m transfer.knn --weights CKPT --train-dir DIR --val-dir DIR [--k 200] [--t 0.07]
+                           [--output-dir OUT]
+
+Both folders are torchvision ImageFolders; features are the backbone's global average pool
+(``res5avg``: 2048-d for ResNet-50, 512-d for ResNet-18) after shorter side 256 and a 224 center
+crop. Each validation image takes its k most cosine-similar training images; neighbour j votes for
+its class with weight exp(s_j / t); the prediction is the class with the largest summed vote
+(top-5: the five largest).
+
+``pretrain/knn.py`` holds the same ten-line vote for the monitor during pretraining; it is
+re-stated here rather than imported because transfer depends on converters only (the contract
+with pretrain is the checkpoint file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def knn_scores(query: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int,
+               k: int = 200, t: float = 0.07, chunk: int = 1024) -> torch.Tensor:
+    """Class votes (Nq, C) of L2-normalized queries (Nq, D) against a normalized bank (Nb, D):
+    score[q, c] = Σ_{j ∈ topk(q)} [y_j = c] · exp(⟨q, b_j⟩ / t). Queries go in chunks so the
+    similarity matrix stays chunk × Nb."""
+    k = min(k, bank.shape[0])
+    out = []
+    for q in query.split(chunk):
+        sim, idx = (q @ bank.T).topk(k, dim=1)
+        votes = torch.zeros(q.shape[0], num_classes, dtype=sim.dtype, device=sim.device)
+        out.append(votes.scatter_add_(1, bank_labels[idx], (sim / t).exp()))
+    return torch.cat(out)
+
+
+def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> dict[str, float]:
+    """{"top1": %, "top5": %} (k capped at the number of classes)."""
+    ranked = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices
+    hit = ranked == labels.unsqueeze(1)
+    return {f"top{k}": 100.0 * hit[:, :k].any(dim=1).float().mean().item() for k in ks}
+
+
+def knn_evaluate(train_feats: np.ndarray, train_labels, val_feats: np.ndarray, val_labels, num_classes: int,
+                 k: int = 200, t: float = 0.07) -> dict[str, float]:
+    bank = F.normalize(torch.as_tensor(train_feats, dtype=torch.float32), dim=1)
+    query = F.normalize(torch.as_tensor(val_feats, dtype=torch.float32), dim=1)
+    scores = knn_scores(query, bank, torch.as_tensor(train_labels), num_classes, k, t)
+    return topk_accuracy(scores, torch.as_tensor(val_labels))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from converters.checkpoint_io import CheckpointError, atomic_write, summary_lines
+    from transfer.datasets.readers import read_image_folder
+    from transfer.features import FeatureCache, LayerFeatures, Preprocessing, load_model
+
+    parser = argparse.ArgumentParser(prog="python -m transfer.knn", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--weights", required=True, help="checkpoint in any layout the converters read")
+    parser.add_argument("--train-dir", required=True, help="ImageFolder of the bank (e.g. imagenet/train)")
+    parser.add_argument("--val-dir", required=True, help="ImageFolder of the queries (e.g. imagenet/val)")
+    parser.add_argument("--k", type=int, default=200)
+    parser.add_argument("--t", type=float, default=0.07, help="temperature of the exp(sim / t) votes")
+    parser.add_argument("--output-dir", default="knn_output", help="metrics.json and the feature cache go here")
+    parser.add_argument("--encoder", default="query", choices=["query", "key"])
+    parser.add_argument("--layout", default="auto")
+    parser.add_argument("--resize", type=int, default=256)
+    parser.add_argument("--crop", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=4)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.k < 1 or args.t <= 0:
+        sys.exit(f"error: --k {args.k} / --t {args.t}: expected k >= 1 and t > 0")
+    out = Path(args.output_dir)
+    try:
+        prep = Preprocessing(args.resize, args.crop, "center")
+        train, val = read_image_folder(args.train_dir), read_image_folder(args.val_dir)
+        if train.classes != val.classes:
+            raise ValueError(f"class folders of {args.train_dir} and {args.val_dir} differ")
+        model, backbone = load_model(args.weights, args.encoder, args.layout)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    for line in summary_lines(backbone):
+        logger.info(line)
+    train.transform = val.transform = prep.transform()
+    cache = FeatureCache(out / "features", args.weights, args.encoder, prep)
+    make = lambda names: LayerFeatures(model, names)  # noqa: E731
+    kwargs = dict(batch_size=args.batch_size, workers=args.workers)
+    bank = cache.get(make, train, "train", ["res5avg"], **kwargs)["res5avg"]
+    query = cache.get(make, val, "val", ["res5avg"], **kwargs)["res5avg"]
+    acc = knn_evaluate(bank, train.labels, query, val.labels, len(train.classes), args.k, args.t)
+    metrics = {"protocol": "knn", "checkpoint": str(args.weights), "encoder": args.encoder,
+               "backbone": {"arch": backbone.arch, "stem": backbone.stem, "layout": backbone.layout},
+               "feature": {"layer": "res5avg", "dim": int(bank.shape[1]), "normalization": "L2"},
+               "preprocessing": prep.describe(), "k": args.k, "t": args.t,
+               "train": {"dir": str(args.train_dir), "images": len(train)},
+               "val": {"dir": str(args.val_dir), "images": len(val)}, **acc}
+    atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
+    logger.info("kNN (k=%d, t=%g, %d-d): top-1 %.2f, top-5 %.2f", args.k, args.t, bank.shape[1],
+                acc["top1"], acc["top5"])
+    print(json.dumps(acc))
+
+
+if __name__ == "__main__":
+    main()

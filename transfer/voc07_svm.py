@@ -1,0 +1,276 @@
+"""VOC07 linear SVM evaluation of frozen features (the FAIR / VISSL protocol).
+
+    python -m transfer.voc07_svm --weights CKPT --voc-root DIR [--layers res5avg,res5,res4]
+                                 [--costs 0.01,0.1,...] --output-dir OUT
+
+Protocol (Goyal et al. 2019, fair_self_supervision_benchmark; VISSL ``train_svm``):
+
+* labels from ``ImageSets/Main/<cls>_<split>.txt`` (class order = sorted file names); train on
+  trainval with difficult (0) → negative, test on test with difficult images dropped per class;
+* features x ← x / (‖x‖₂ + 1e-5) of the layer (see ``transfer.features``) after shorter side 256
+  then warp to 224×224;
+* per class c and cost C: ``LinearSVC(C, class_weight={1: 2, -1: 1}, squared hinge, dual, tol 1e-4,
+  max_iter 2000)``; CV score = mean over a stratified, unshuffled 3-fold split of sklearn's
+  average precision of the decision function (``cross_val_score(..., cv=3,
+  scoring="average_precision")``); the cost with the largest CV score (first on ties) is refit on
+  all of trainval;
+* test AP = all-point interpolated AP (``voc_ap``); mAP = mean over classes × 100.
+
+Speed without changing a single fitted model (every fit is the same liblinear call as the
+straightforward loop, with a fixed seed): the features are converted once to CSR (liblinear's
+input format: scikit-learn otherwise re-converts the dense array in every fit), the
+(class, cost) cross-validations run in parallel processes that share the feature array
+(joblib memory-maps it), and only the chosen cost is refit (the FAIR tools refit every cost).
+See ``transfer.bench_svm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+from joblib import Parallel, delayed
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.model_selection import cross_val_score
+from sklearn.svm import LinearSVC
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+# VISSL's VOC07 grid (configs/.../svm_voc07.yaml); the FAIR tools append 0.5**k, k = 4..19.
+DEFAULT_COSTS = (0.01, 0.1, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 50.0, 100.0, 1000.0)
+CV_FOLDS = 3
+SVM_SEED = 0  # liblinear's coordinate order; the FAIR tools leave it to numpy's global RNG
+SVM_PARAMS = dict(class_weight={1: 2, -1: 1}, intercept_scaling=1.0, penalty="l2", loss="squared_hinge",
+                  dual=True, tol=1e-4, max_iter=2000)
+# VOC2007 sizes, for the refusal message and the count check on the real data set.
+VOC07_TRAINVAL_IMAGES, VOC07_TEST_IMAGES = 5011, 4952
+
+
+def make_svm(cost: float, seed: int = SVM_SEED) -> LinearSVC:
+    return LinearSVC(C=cost, random_state=seed, **SVM_PARAMS)
+
+
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    """x / (‖x‖₂ + 1e-5) per row, in float64 (the FAIR tools' normalization)."""
+    x = np.asarray(x, dtype=np.float64)
+    return x / (np.linalg.norm(x, axis=1, keepdims=True) + 1e-5)
+
+
+def voc_ap(scores: np.ndarray, targets: np.ndarray) -> float:
+    """All-point interpolated average precision (VOC2010+ devkit, the FAIR SVM tools).
+
+    Rank by score (descending); precision P_k = TP_k / k and recall R_k = TP_k / #positives at each
+    rank; with sentinels (R, P) = (0, 0) and (1, 0), make P non-increasing from the right
+    (P̂_k = max_{j ≥ k} P_j), then AP = Σ_k (R_k − R_{k−1}) · P̂_k. targets: 1 positive, else negative.
+    Not the VOC2007 11-point AP (mean of max precision at recall 0, 0.1, ..., 1), nor sklearn's
+    average_precision_score (no interpolation).
+    """
+    scores, positive = np.asarray(scores, dtype=np.float64), np.asarray(targets) == 1
+    if positive.sum() == 0:
+        raise ValueError("voc_ap: no positive example")
+    order = np.argsort(-scores, kind="stable")
+    tp = np.cumsum(positive[order])
+    fp = np.cumsum(~positive[order])
+    recall = np.concatenate([[0.0], tp / positive.sum(), [1.0]])
+    precision = np.concatenate([[0.0], tp / np.maximum(tp + fp, np.finfo(np.float64).eps), [0.0]])
+    precision = np.maximum.accumulate(precision[::-1])[::-1]
+    changed = np.nonzero(recall[1:] != recall[:-1])[0] + 1
+    return float(np.sum((recall[changed] - recall[changed - 1]) * precision[changed]))
+
+
+def training_targets(labels: np.ndarray) -> np.ndarray:
+    """VOC labels (1, -1, 0=difficult) → SVM targets for training: difficult counts as negative."""
+    return np.where(labels == 1, 1, -1)
+
+
+def scoring_targets(labels: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """(mask of kept images, ±1 targets of those) for class c at test: difficult images dropped."""
+    keep = labels[:, c] != 0
+    return keep, np.where(labels[keep, c] == 1, 1, -1)
+
+
+def check_disjoint(train_ids: list[str], test_ids: list[str], train_split: str, test_split: str) -> None:
+    """Refuse to score SVMs on images they were trained on (fair_ssl#34: trainval 'test' AP)."""
+    shared = set(train_ids) & set(test_ids)
+    if shared:
+        raise ValueError(
+            f"test split {test_split!r} shares {len(shared)} of its {len(test_ids)} images with the training split "
+            f"{train_split!r}: the SVMs would be scored on their own training images; test on VOC2007 'test' "
+            f"({VOC07_TEST_IMAGES} images)")
+    if len(train_ids) == VOC07_TRAINVAL_IMAGES and len(test_ids) != VOC07_TEST_IMAGES:
+        raise ValueError(f"training on VOC2007 trainval ({len(train_ids)} images) but the test split {test_split!r} "
+                         f"has {len(test_ids)} images, not the {VOC07_TEST_IMAGES} of VOC2007 test")
+
+
+def _quiet_svm():
+    # liblinear stops at max_iter for large costs, as in the reference tools: expected, not news.
+    warnings.filterwarnings("ignore", category=ConvergenceWarning)
+
+
+def cv_score(x, y: np.ndarray, cost: float, seed: int) -> np.ndarray:
+    """Per-fold sklearn AP of one (class, cost): exactly the FAIR tools' cross_val_score call."""
+    _quiet_svm()
+    return cross_val_score(make_svm(cost, seed), x, y, cv=CV_FOLDS, scoring="average_precision")
+
+
+def fit_scores(x, y: np.ndarray, cost: float, seed: int, x_test) -> np.ndarray:
+    """Decision values on x_test of the SVM fit on all of (x, y)."""
+    _quiet_svm()
+    return make_svm(cost, seed).fit(x, y).decision_function(x_test)
+
+
+@dataclass
+class SvmResult:
+    classes: list[str]
+    costs: list[float]
+    cv_ap: np.ndarray  # (C, #costs) mean CV AP
+    chosen_cost: np.ndarray  # (C,)
+    test_ap: np.ndarray  # (C,)
+
+    @property
+    def map(self) -> float:
+        return float(100.0 * self.test_ap.mean())
+
+    def to_json(self) -> dict:
+        return {"mAP": self.map, "costs": self.costs,
+                "per_class": {c: {"ap": 100.0 * float(self.test_ap[i]), "cost": float(self.chosen_cost[i]),
+                                  "cv_ap": [float(v) for v in self.cv_ap[i]]}
+                              for i, c in enumerate(self.classes)}}
+
+
+def _run(tasks, jobs: int, desc: str) -> list:
+    """Run (key, fn, args) tasks, in parallel processes when jobs != 1, with a progress bar;
+    returns {key: result}."""
+    keys = [k for k, _, _ in tasks]
+    calls = (delayed(_keyed)(k, fn, *args) for k, fn, args in tasks)
+    bar = dict(total=len(tasks), desc=desc, unit="fit", leave=False, disable=None)
+    if jobs == 1:
+        results = dict(tqdm((_keyed(k, fn, *args) for k, fn, args in tasks), **bar))
+    else:
+        results = dict(tqdm(Parallel(n_jobs=jobs, return_as="generator_unordered")(calls), **bar))
+    return [results[k] for k in keys]
+
+
+def _keyed(key, fn, *args):
+    return key, fn(*args)
+
+
+def run_svms(train_x: np.ndarray, train_labels: np.ndarray, test_x: np.ndarray, test_labels: np.ndarray,
+             classes: list[str], costs=DEFAULT_COSTS, jobs: int = -1, seed: int = SVM_SEED) -> SvmResult:
+    """The protocol on raw features (normalized here) and VOC label matrices (1, -1, 0)."""
+    costs = [float(c) for c in costs]
+    # CSR is liblinear's own input layout: converting once here spares every fit a dense → sparse
+    # pass (the zero entries are skipped either way, so the fits are identical).
+    xtr = sp.csr_matrix(l2_normalize(train_x))
+    xte = sp.csr_matrix(l2_normalize(test_x))
+    ytr = training_targets(train_labels)
+    for c, name in enumerate(classes):
+        if (ytr[:, c] == 1).sum() < CV_FOLDS:
+            raise ValueError(f"class {name!r} has {(ytr[:, c] == 1).sum()} positive training images; "
+                             f"{CV_FOLDS}-fold cross-validation needs at least {CV_FOLDS}")
+    n_classes = len(classes)
+    cv = _run([((c, j), cv_score, (xtr, ytr[:, c], cost, seed))
+               for c in range(n_classes) for j, cost in enumerate(costs)], jobs, "SVM cross-validation")
+    cv_ap = np.array([folds.mean() for folds in cv]).reshape(n_classes, len(costs))
+    chosen = np.array([costs[int(np.argmax(row))] for row in cv_ap])
+    scores = _run([(c, fit_scores, (xtr, ytr[:, c], chosen[c], seed, xte)) for c in range(n_classes)],
+                  jobs, "SVM refit")
+    test_ap = np.empty(n_classes)
+    for c in range(n_classes):
+        keep, y = scoring_targets(test_labels, c)
+        test_ap[c] = voc_ap(scores[c][keep], y)
+    return SvmResult(list(classes), costs, cv_ap, chosen, test_ap)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def _parse_costs(text: str) -> list[float]:
+    try:
+        costs = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--costs {text!r}: expected comma-separated positive numbers") from None
+    if not costs or any(c <= 0 for c in costs):
+        raise argparse.ArgumentTypeError(f"--costs {text!r}: expected comma-separated positive numbers")
+    return costs
+
+
+def main(argv: list[str] | None = None) -> None:
+    from converters.checkpoint_io import CheckpointError, atomic_write, summary_lines
+    from transfer.datasets.readers import read_voc_labels
+    from transfer.features import LAYERS, FeatureCache, LayerFeatures, Preprocessing, load_model
+
+    parser = argparse.ArgumentParser(prog="python -m transfer.voc07_svm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--weights", required=True, help="checkpoint in any layout the converters read")
+    parser.add_argument("--voc-root", required=True, help="VOC2007 folder (ImageSets/Main, JPEGImages)")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--layers", default="res5avg", help=f"comma-separated, from {', '.join(LAYERS)}")
+    parser.add_argument("--costs", type=_parse_costs, default=list(DEFAULT_COSTS))
+    parser.add_argument("--train-split", default="trainval")
+    parser.add_argument("--test-split", default="test")
+    parser.add_argument("--encoder", default="query", choices=["query", "key"])
+    parser.add_argument("--layout", default="auto", help="force a checkpoint layout (see converters)")
+    parser.add_argument("--resize", type=int, default=256, help="shorter side before the warp")
+    parser.add_argument("--crop", type=int, default=224, help="network input side (warp, no crop)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=4, help="data loading processes")
+    parser.add_argument("--jobs", type=int, default=-1, help="parallel SVM fits (-1: all cores)")
+    parser.add_argument("--cache-dir", default=None, help="feature cache (default OUT/features)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    layers = [name.strip() for name in args.layers.split(",") if name.strip()]
+    bad = [name for name in layers if name not in LAYERS]
+    if bad or not layers:
+        sys.exit(f"error: --layers {args.layers!r}: expected names from {', '.join(LAYERS)}")
+    out = Path(args.output_dir)
+    try:
+        prep = Preprocessing(args.resize, args.crop, "warp")
+        train = read_voc_labels(args.voc_root, args.train_split)
+        test = read_voc_labels(args.voc_root, args.test_split)
+        check_disjoint(train.ids, test.ids, args.train_split, args.test_split)
+        if train.classes != test.classes:
+            raise ValueError(f"{args.voc_root}: classes of {args.train_split!r} and {args.test_split!r} differ")
+        model, backbone = load_model(args.weights, args.encoder, args.layout)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    for line in summary_lines(backbone):
+        logger.info(line)
+
+    transform = prep.transform()
+    train.images.transform = test.images.transform = transform
+    cache = FeatureCache(args.cache_dir or out / "features", args.weights, args.encoder, prep)
+    kwargs = dict(batch_size=args.batch_size, workers=args.workers)
+    make = lambda names: LayerFeatures(model, names)  # noqa: E731
+    train_feats = cache.get(make, train.images, args.train_split, layers, **kwargs)
+    test_feats = cache.get(make, test.images, args.test_split, layers, **kwargs)
+
+    described = LayerFeatures(model, layers).describe(args.crop)
+    metrics = {"protocol": "voc07_svm", "checkpoint": str(args.weights), "encoder": args.encoder,
+               "backbone": {"arch": backbone.arch, "stem": backbone.stem, "layout": backbone.layout},
+               "preprocessing": prep.describe(),
+               "svm": {**{k: v for k, v in SVM_PARAMS.items() if k != "class_weight"}, "class_weight": "{1: 2, -1: 1}",
+                       "cv_folds": CV_FOLDS, "cv_scoring": "average_precision", "seed": SVM_SEED,
+                       "features": "L2-normalized, float64", "test_ap": "all-point interpolated"},
+               "train": {"split": args.train_split, "images": len(train.ids)},
+               "test": {"split": args.test_split, "images": len(test.ids)},
+               "layers": {}}
+    for name in layers:
+        start = time.time()
+        result = run_svms(train_feats[name], train.labels, test_feats[name], test.labels, train.classes,
+                          args.costs, args.jobs)
+        metrics["layers"][name] = {**described[name], **result.to_json(), "svm_seconds": time.time() - start}
+        logger.info("%s (%d-d): VOC07 SVM mAP %.2f", name, described[name]["dim"], result.map)
+        atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
+    print(json.dumps({name: round(m["mAP"], 2) for name, m in metrics["layers"].items()}))
+
+
+if __name__ == "__main__":
+    main()
