@@ -81,10 +81,10 @@ class AdCo(Method):
         if crops and m.symmetric:
             raise ConfigError("method.symmetric=true with method.query_crops: AdCo's symmetric loss is single-crop "
                               "only; set one of them off")
-        if crops and not crops <= len(m.query_crop_min_scales) == len(m.query_crop_max_scales):
+        if crops and not crops == len(m.query_crop_min_scales) == len(m.query_crop_max_scales):
             raise ConfigError(f"method.query_crops has {crops} sizes but method.query_crop_min_scales/"
                               f"query_crop_max_scales have {len(m.query_crop_min_scales)}/"
-                              f"{len(m.query_crop_max_scales)}: expected at least one scale range per crop")
+                              f"{len(m.query_crop_max_scales)}: expected one scale range per crop")
         per_process = cfg.train.batch_size // num_processes
         if num_processes == 1 and (m.bn_splits < 1 or per_process % m.bn_splits):
             raise ConfigError(f"method.bn_splits={m.bn_splits}: expected a divisor of the per-process batch "
@@ -97,8 +97,7 @@ class AdCo(Method):
             return super().view_transforms(cfg)
         size = cfg.data.image_size
         sizes = [max(1, round(s * size / 224)) for s in m.query_crops]
-        n = len(sizes)
-        return build_multicrop_transforms(size, sizes, m.query_crop_min_scales[:n], m.query_crop_max_scales[:n])
+        return build_multicrop_transforms(size, sizes, m.query_crop_min_scales, m.query_crop_max_scales)
 
     def __init__(self, cfg, num_processes: int) -> None:
         super().__init__()

@@ -17,11 +17,9 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from accelerate import Accelerator
 
 from pretrain import dist
 from pretrain.config import ConfigError, load_config
-from pretrain.engine import train
 from pretrain.losses import adversary_gradient
 from pretrain.methods import METHODS
 
@@ -66,7 +64,8 @@ def test_manual_gradient_equals_autograd_wrt_the_raw_bank():
 @pytest.mark.parametrize("variant,overrides,n_views", [
     ("single", [], 2),
     ("symmetric", ["method.symmetric=true"], 2),
-    ("multicrop", ["method.query_crops=[224,192,160]"], 4),
+    ("multicrop", ["method.query_crops=[224,192,160]", "method.query_crop_min_scales=[0.2,0.2,0.2]",
+                   "method.query_crop_max_scales=[1,1,1]"], 4),
 ])
 def test_adversary_update_equals_sgd_ascent_on_the_network_loss_at_bank_temperature(variant, overrides, n_views):
     """Reference: the method's own loss with τ = τ_m and W a leaf, autograd, then
@@ -97,6 +96,19 @@ def test_adversary_update_equals_sgd_ascent_on_the_network_loss_at_bank_temperat
                                    atol=1e-7, msg=where)
     moved = (method.bank.weight - _method("tiny_adco", "method.bank_size=12")[1].bank.weight).abs().max()
     assert moved > 1e-2, "the bank did not move: the comparison is vacuous"
+
+
+def test_bf16_autocast_keeps_logits_and_the_bank_in_fp32():
+    _, method = _method("tiny_adco", "method.bank_init=random", "method.bank_size=12")
+    method = method.float().train()
+    q = F.normalize(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)), dim=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = method([v.float() for v in _views(2, 4, seed=5)])
+        logits = method.bank.logits(q)
+    assert out["loss"].dtype == logits.dtype == torch.float32
+    torch.testing.assert_close(logits, q @ F.normalize(method.bank.weight, dim=0), rtol=1e-6, atol=1e-6)
+    method.after_step()
+    assert method.bank.weight.dtype == torch.float32 and torch.isfinite(method.bank.weight).all()
 
 
 # ----------------------------------------------------------------------------- initialization
@@ -152,7 +164,7 @@ def test_recipes_carry_the_paper_values_and_multicrop_scales_with_the_image():
     (["method.symmetric=true", "method.query_crops=[224,96]"], "method.symmetric=true with method.query_crops"),
     (["method.bank_init=zeros"], "method.bank_init='zeros': expected one of"),
     (["method.bank_temperature=0"], "method.bank_temperature=0: expected a positive number"),
-    (["method.query_crops=[224,192,160,128,96,64]"], "method.query_crops has 6 sizes"),
+    (["method.query_crops=[224,192,160,128,96,64]"], "method.query_crops has 6 sizes but"),
 ])
 def test_bad_adco_configs_fail_with_one_clear_line(overrides, expected):
     with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(")):
@@ -162,6 +174,10 @@ def test_bad_adco_configs_fail_with_one_clear_line(overrides, expected):
 # ----------------------------------------------------------------------------- exact resume
 def test_resume_reproduces_the_bank_and_its_momentum_exactly(synthetic_root, tmp_path):
     """K = B: step 1 fills, steps 2-4 are adversarial; 2 steps + resume + 2 steps = 4 steps."""
+    from accelerate import Accelerator  # here: the 2-process workers import this module, keep it light
+
+    from pretrain.engine import train
+
     accelerator = Accelerator(cpu=True)
     common = [f"data.root={synthetic_root / 'imagenet' / 'train'}", "data.image_size=16", "train.batch_size=8",
               "method.bank_size=8", "method.bn_splits=2"]
