@@ -117,11 +117,18 @@ def test_detectron2_matches_every_backbone_tensor(kind, depth, tensors, converte
 @pytest.mark.parametrize("depth", [50, 18])
 def test_detectron2_backbone_computes_torchvision_resnet(depth, converted, loaded):
     """res2..res5 of detectron2's backbone (its own preprocessing with the torchvision mean/std) equal
-    torchvision's layer1..layer4 on the same RGB image. Both run in float64, so that the 1e-4 bound
-    measures the conversion, not float32 rounding through 50 layers."""
+    torchvision's layer1..layer4 on the same RGB image, to 1e-4 absolute.
+
+    Both run in float64 so that the bound measures the conversion: in float32 the two implementations
+    drift apart by up to 7.5e-4 on ResNet-50's res5 (values up to ~100, i.e. 7e-6 relative). detectron2
+    keeps PIXEL_MEAN/STD as float32 buffers (123.675 -> 123.67500305); they are reset in float64 too,
+    after which the two agree to ~1e-12.
+    """
     net, _, _ = converted[depth]
     model = copy.deepcopy(loaded("FPN", depth)[0]).double()
     reference_net = copy.deepcopy(net).double()
+    model.pixel_mean.copy_(torch.tensor(TORCHVISION_PIXEL_MEAN, dtype=torch.float64).view(3, 1, 1))
+    model.pixel_std.copy_(torch.tensor(TORCHVISION_PIXEL_STD, dtype=torch.float64).view(3, 1, 1))
     image = torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8)
     with torch.no_grad():
         d2_input = model.preprocess_image([{"image": image.double()}]).tensor  # (x - PIXEL_MEAN) / PIXEL_STD
@@ -132,7 +139,7 @@ def test_detectron2_backbone_computes_torchvision_resnet(depth, converted, loade
     for stage in STAGES.values():
         assert ours[stage].shape == reference[stage].shape
         assert reference[stage].std() > 0.1  # non-degenerate activations
-        torch.testing.assert_close(ours[stage], reference[stage], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours[stage], reference[stage], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
