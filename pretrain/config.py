@@ -41,6 +41,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "exclude_norm_bias": False,  # no weight decay (and no LARS adaptation) for BN and biases
         "lars_eta": 0.001,
         "schedule": "cosine",  # cosine | step | constant
+        "final_lr": 0.0,  # cosine ends here (AdCo: 0.0006); given at optim.reference_batch and scaled like optim.lr
         "milestones": [120, 160],  # epochs, for schedule=step (×0.1 at each)
         "warmup_epochs": 0,
         "per_step": False,  # lr updated every step (SimCLR) instead of every epoch (MoCo)
@@ -145,6 +146,8 @@ def validate(cfg: DictConfig, num_processes: int) -> None:
                 "train.diagnostics_every"):
         if not (isinstance(OmegaConf.select(cfg, key), int) and OmegaConf.select(cfg, key) > 0):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected a positive integer")
+    if not 0 <= cfg.optim.final_lr <= cfg.optim.lr:
+        raise ConfigError(f"optim.final_lr={cfg.optim.final_lr}: expected a number in [0, optim.lr={cfg.optim.lr}]")
     if cfg.train.max_steps is not None and cfg.train.max_steps <= 0:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps}: expected a positive integer or null")
     METHODS[cfg.method.name].check(cfg, num_processes)
@@ -154,7 +157,9 @@ def per_process_batch(cfg: DictConfig, num_processes: int) -> int:
     return cfg.train.batch_size // num_processes
 
 
-def scaled_lr(cfg: DictConfig) -> float:
-    """optim.lr given at optim.reference_batch, scaled to the global batch (linear or sqrt rule)."""
+def scaled_lr(cfg: DictConfig, lr: float | None = None) -> float:
+    """optim.lr (or another lr given at optim.reference_batch, e.g. optim.final_lr) scaled to the
+    global batch (linear or sqrt rule)."""
     ratio = cfg.train.batch_size / cfg.optim.reference_batch
-    return cfg.optim.lr * {"linear": ratio, "sqrt": ratio ** 0.5, "none": 1.0}[cfg.optim.lr_scaling]
+    lr = cfg.optim.lr if lr is None else lr
+    return lr * {"linear": ratio, "sqrt": ratio ** 0.5, "none": 1.0}[cfg.optim.lr_scaling]

@@ -78,9 +78,10 @@ def lr_at(cfg, step: int, steps_per_epoch: int) -> float:
     if epoch < o.warmup_epochs:
         done = (step + 1) / steps_per_epoch if o.per_step else epoch + 1
         return base * min(1.0, done / o.warmup_epochs)
-    if o.schedule == "cosine":
+    if o.schedule == "cosine":  # from base to final: final + ½(1 + cos(π·progress))·(base − final)
         span = max(cfg.train.epochs - o.warmup_epochs, 1e-12)
-        return base * 0.5 * (1.0 + math.cos(math.pi * min(1.0, (epoch - o.warmup_epochs) / span)))
+        final = scaled_lr(cfg, o.final_lr)
+        return final + 0.5 * (1.0 + math.cos(math.pi * min(1.0, (epoch - o.warmup_epochs) / span))) * (base - final)
     if o.schedule == "step":
         return base * 0.1 ** sum(epoch >= m for m in o.milestones)
     return base

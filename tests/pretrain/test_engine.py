@@ -20,7 +20,8 @@ from pretrain.optim import LARS, lr_at
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
 TINY = sorted(p.stem for p in RECIPES.glob("tiny_*.yaml"))
-PAPER = ["mocov1", "mocov2", "mocov2_eqco", "simclr", "simclr_eqco", "simo", "simo_k16"]
+PAPER = ["mocov1", "mocov2", "mocov2_eqco", "simclr", "simclr_eqco", "simo", "simo_k16",
+         "dcl", "dclw", "mocov2_dcl", "simmoco", "simco", "adco", "adco_sym", "adco_multicrop"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_every_paper_recipe_and_its_tiny_version_resolve():
     assert set(TINY) == {f"tiny_{r}" for r in PAPER}
     for recipe in PAPER + TINY:
         cfg = _cfg(recipe)
-        assert cfg.method.name in ("moco", "simclr", "simo")
+        assert cfg.method.name in ("moco", "simclr", "simo", "simmoco", "simco", "adco")
     v1, v2 = _cfg("mocov1"), _cfg("mocov2")
     assert (v1.method.head, v1.method.temperature, v1.data.augmentation, v1.optim.schedule) == ("linear", 0.07, "mocov1", "step")
     assert (v2.method.head, v2.method.temperature, v2.data.augmentation, v2.optim.schedule) == ("mlp", 0.2, "mocov2", "cosine")
@@ -142,6 +143,9 @@ def test_lr_schedule_matches_hand_computed_values():
     assert lr_at(simclr, 5500, 100) == pytest.approx(4.8 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
     sqrt = _cfg("simclr", "optim.lr_scaling=sqrt", "optim.lr=4.8", "optim.reference_batch=4096", "train.batch_size=1024")
     assert lr_at(sqrt, 99, 10) == pytest.approx(0.075 * math.sqrt(1024))  # end of warmup: SimCLR's sqrt rule
+    adco = _cfg("adco")  # AdCo's cosine ends at lr_final 0.0006: 0.0006 + ½(1 + cos(π·e/200))·(0.03 − 0.0006)
+    assert [lr_at(adco, e * 10, 10) for e in (0, 100, 200)] == pytest.approx([0.03, 0.0153, 0.0006])
+    assert lr_at(_cfg("adco", "train.batch_size=512"), 2000, 10) == pytest.approx(0.0012)  # scaled like optim.lr
 
 
 def test_lars_step_matches_the_formula():
