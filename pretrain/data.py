@@ -27,6 +27,8 @@ from torchvision.datasets.folder import (IMG_EXTENSIONS, find_classes, has_file_
                                          make_dataset)
 from torchvision.transforms import v2
 
+from pretrain.augment import ViewTransform
+
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RECIPES", "blur_kernel_size", "build_view_transforms",
            "build_multicrop_transforms", "eval_transform", "ImageDataset", "collate",
            "ShardedSampler", "build_loader", "set_loader_epoch", "BadImageTracker"]
@@ -53,17 +55,15 @@ def blur_kernel_size(side: int) -> int:
     return max(3, 2 * ((side // 10) // 2) + 1)
 
 
-def _pipeline(*ops) -> v2.Compose:
-    # ToImage is a no-op on the uint8 tv_tensors.Image the dataset passes (decoded once) and makes
-    # the pipeline accept PIL too. The geometric and colour ops run on uint8 (fast paths); float
-    # conversion and normalization happen once, at the end.
-    return v2.Compose([v2.ToImage(), *ops, v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD), v2.ToPureTensor()])
+def _view(*ops) -> ViewTransform:
+    # Geometric ops run per sample on the uint8 image the dataset decoded once; the colour ops run
+    # batched on float in ImageDataset.__getitems__; normalization comes last (pretrain/augment.py).
+    return ViewTransform(ops, IMAGENET_MEAN, IMAGENET_STD)
 
 
-def _aug_plus(size: int, scale: tuple[float, float] = (0.2, 1.0)) -> v2.Compose:
+def _aug_plus(size: int, scale: tuple[float, float] = (0.2, 1.0)) -> ViewTransform:
     """MoCo v2 aug+: crop → jitter(.4,.4,.4,.1) p .8 → gray .2 → blur p .5 → flip."""
-    return _pipeline(
+    return _view(
         v2.RandomResizedCrop(size, scale=scale, antialias=True),
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
@@ -71,28 +71,28 @@ def _aug_plus(size: int, scale: tuple[float, float] = (0.2, 1.0)) -> v2.Compose:
         v2.RandomHorizontalFlip())
 
 
-def _byol(size: int, blur_p: float, solarize_p: float) -> v2.Compose:
+def _byol(size: int, blur_p: float, solarize_p: float) -> ViewTransform:
     """BYOL: crop (bicubic) → flip → jitter(.4,.4,.2,.1) p .8 → gray → blur → solarize."""
-    return _pipeline(
+    return _view(
         v2.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=BICUBIC, antialias=True),
         v2.RandomHorizontalFlip(),
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
         v2.RandomApply([v2.GaussianBlur(blur_kernel_size(size), sigma=SIGMA)], p=blur_p),
-        v2.RandomSolarize(threshold=128, p=solarize_p))  # x ≥ 0.5 → 1 − x, on uint8
+        v2.RandomSolarize(threshold=128, p=solarize_p))  # x ≥ 128/255 → 1 − x
 
 
-def build_view_transforms(recipe: str, image_size: int) -> list[Callable]:
+def build_view_transforms(recipe: str, image_size: int) -> list[ViewTransform]:
     """Two view transforms; BYOL's two differ (blur, solarize), the other recipes reuse one."""
     name = _ALIASES.get(recipe, recipe)
     if name == "mocov1":  # InstDisc: jitter always applied; crop → gray → jitter → flip
-        t = _pipeline(v2.RandomResizedCrop(image_size, scale=(0.2, 1.0), antialias=True),
-                      v2.RandomGrayscale(p=0.2), v2.ColorJitter(0.4, 0.4, 0.4, 0.4),
-                      v2.RandomHorizontalFlip())
+        t = _view(v2.RandomResizedCrop(image_size, scale=(0.2, 1.0), antialias=True),
+                  v2.RandomGrayscale(p=0.2), v2.ColorJitter(0.4, 0.4, 0.4, 0.4),
+                  v2.RandomHorizontalFlip())
     elif name == "mocov2":
         t = _aug_plus(image_size)
     elif name == "simclr":  # torch port of the TF recipe (strength s = 1)
-        t = _pipeline(
+        t = _view(
             v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True),
             v2.RandomHorizontalFlip(),
             v2.RandomApply([v2.ColorJitter(0.8, 0.8, 0.8, 0.2)], p=0.8),
@@ -109,7 +109,7 @@ def build_view_transforms(recipe: str, image_size: int) -> list[Callable]:
 
 def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = None,
                                min_scales: Sequence[float] | None = None,
-                               max_scales: Sequence[float] | None = None) -> list[Callable]:
+                               max_scales: Sequence[float] | None = None) -> list[ViewTransform]:
     """AdCo: crop 0 is the key (``image_size``, scale .2–1), then one aug+ query crop per size.
 
     ``sizes`` are pixels; the default is AdCo's (224, 192, 160, 128, 96) scaled to ``image_size``.
@@ -126,8 +126,9 @@ def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = No
 
 def eval_transform(image_size: int) -> v2.Compose:
     """Shorter side to round(size·256/224), center crop, normalize (kNN monitor, features)."""
-    resize = v2.Resize(round(image_size * 256 / 224), antialias=True)
-    return _pipeline(resize, v2.CenterCrop(image_size))
+    return v2.Compose([v2.ToImage(), v2.Resize(round(image_size * 256 / 224), antialias=True),
+                       v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True),
+                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD), v2.ToPureTensor()])
 
 
 # ------------------------------------------------------------------------------------ dataset
@@ -158,6 +159,11 @@ class ImageDataset(Dataset):
     ``__getitem__`` returns ``(views, label, bad)``. An unreadable file does not crash the run:
     its path goes into ``bad`` and the next readable index is used instead, so batches keep
     their size (count the paths with ``BadImageTracker``).
+
+    The DataLoader fetches whole batches through ``__getitems__``: the geometric ops and the
+    random draws run per sample, seeded by ``(seed, epoch, index)``; the colour ops of each
+    ``ViewTransform`` then run once on the batch. A sample's views are the same whichever batch
+    it is fetched in (``ds[i]`` included). Other view callables run per sample.
     """
 
     def __init__(self, root: str | os.PathLike, views: Sequence[Callable], seed: int = 0):
@@ -177,23 +183,40 @@ class ImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[list[torch.Tensor], int, list[str]]:
-        index, bad = int(index), []
+    def _load(self, index: int) -> tuple[torch.Tensor, int, list[str]]:
+        bad = []
         for k in range(len(self.samples)):  # deterministic substitute: the next readable file
             path, label = self.samples[(index + k) % len(self.samples)]
             try:
                 with Image.open(path) as im:
-                    image = v2.functional.to_image(im.convert("RGB"))  # convert() decodes
-                break
+                    return v2.functional.to_image(im.convert("RGB")), label, bad  # convert() decodes
             except _DECODE_ERRORS:
                 bad.append(path)
-        else:
-            raise RuntimeError(f"no readable image in {self.root} ({len(bad)} files tried)")
-        # Seed per sample, isolated from the global RNG (the caller's stream is left untouched).
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_seed("augment", self.seed, int(self._epoch), index))
-            views = [t(image) for t in self.views]
-        return views, label, bad
+        raise RuntimeError(f"no readable image in {self.root} ({len(bad)} files tried)")
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[list[torch.Tensor], int, list[str]]]:
+        epoch, drawn, labels, bads = int(self._epoch), [], [], []
+        for index in indices:
+            image, label, bad = self._load(int(index))
+            # Seed per sample, isolated from the global RNG (the caller's stream is left untouched).
+            # default_generator only: torch.manual_seed would also seed every accelerator (≈0.6 ms).
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
+                drawn.append([t.sample(image) if isinstance(t, ViewTransform) else t(image)
+                              for t in self.views])
+            labels.append(label)
+            bads.append(bad)
+        per_view = []
+        for j, t in enumerate(self.views):
+            if isinstance(t, ViewTransform):
+                crops, uniforms = zip(*(d[j] for d in drawn))
+                per_view.append(t.finish(torch.stack(crops), torch.stack(uniforms)).unbind(0))
+            else:
+                per_view.append([d[j] for d in drawn])
+        return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
+
+    def __getitem__(self, index: int) -> tuple[list[torch.Tensor], int, list[str]]:
+        return self.__getitems__([index])[0]
 
 
 def collate(batch) -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:
