@@ -75,19 +75,20 @@ def load_embedder(path: Path) -> tuple[torch.nn.Module, dict | None, str]:
 
 @torch.no_grad()
 def embed_views(net: torch.nn.Module, root: str, augmentation: str, image_size: int, seed: int,
-                max_images: int | None = None, batch_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two augmented views of every image (epoch 0 of the per-sample seeded augmentation),
-    embedded and L2-normalized: (n, d) each."""
+                max_images: int | None = None,
+                batch_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two augmented views of the images (epoch 0 of the per-sample seeded augmentation), embedded
+    and L2-normalized: (n, d) each, and the images' indices in ``ImageDataset(root)``."""
     dataset = ImageDataset(root, build_view_transforms(augmentation, image_size), seed=seed)
+    indices = torch.arange(len(dataset))
     if max_images is not None and max_images < len(dataset):
-        keep = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_images]
-        dataset = Subset(dataset, sorted(keep.tolist()))
+        indices = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_images].sort().values
     z1, z2 = [], []
-    for (x1, x2), _, _ in tqdm(DataLoader(dataset, batch_size=batch_size, collate_fn=collate),
-                               desc="npc embed", unit="batch", dynamic_ncols=True):
+    loader = DataLoader(Subset(dataset, indices.tolist()), batch_size=batch_size, collate_fn=collate)
+    for (x1, x2), _, _ in tqdm(loader, desc="npc embed", unit="batch", dynamic_ncols=True):
         z1.append(embed(net, x1))
         z2.append(embed(net, x2))
-    return torch.cat(z1), torch.cat(z2)
+    return torch.cat(z1), torch.cat(z2), indices
 
 
 def summarize(q: torch.Tensor) -> dict[str, float]:
@@ -158,7 +159,7 @@ def run(checkpoint: Path, out_dir: Path | None = None, data: str | None = None, 
     if not os.path.isdir(data):
         raise AnalysisError(f"data root {data} is not a folder (pass --data an ImageFolder or a folder of images)")
 
-    z1, z2 = embed_views(net, data, augmentation, image_size, seed, max_images)
+    z1, z2, image_index = embed_views(net, data, augmentation, image_size, seed, max_images)
     n = z1.shape[0]
     usable = sorted({b for b in batch_sizes if 2 <= b <= n})
     if not usable:
@@ -169,7 +170,7 @@ def run(checkpoint: Path, out_dir: Path | None = None, data: str | None = None, 
     stats, per_anchor = [], []
     for b, (batches, q) in results.items():
         stats.append({"batch_size": b, "batches": batches.shape[0], "anchors": q.numel(), **summarize(q)})
-        for j, (idx, qb) in enumerate(zip(batches.tolist(), q.tolist())):
+        for j, (idx, qb) in enumerate(zip(image_index[batches].tolist(), q.tolist())):
             for a, value in enumerate(qb):  # anchors: view 1 of idx[0..B-1], then view 2
                 per_anchor.append({"batch_size": b, "batch": j, "image": idx[a % b], "view": 1 + a // b, "q": value})
     columns = ["batch_size", "batches", "anchors", "mean", "std", "cv", "p05", "p50", "p95"]
