@@ -21,9 +21,9 @@ COMMANDS = {"mi-toy": mi_toy, "npc": npc, "curves": curves, "negatives": negativ
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.analysis", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m pretrain.analysis", description=__doc__.splitlines()[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[3:]))
+                                     epilog="\n".join(__doc__.splitlines()[4:]))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))

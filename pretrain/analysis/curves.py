@@ -4,6 +4,9 @@ Each line is one logged step: step, epoch, lr, data_time, step_time, loss and th
 diagnostics (mi_bound, npc_mean, npc_cv, pos_cos, neg_cos; grad_q_norm_mean/std every
 ``train.diagnostics_every`` steps), or a kNN row (step, epoch, knn_top1) at epoch ends. Rows are
 merged by step, later lines winning: a resumed run re-logs the steps after its last checkpoint.
+
+Writes curves.csv (one row per step, every logged column) and curves.png (one panel per logged
+quantity).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ augmentation, in train mode on batches of ``train.batch_size``, i.e. as the loss
 Both sets are projected together to 2-D with PCA (default) or t-SNE (scikit-learn).
 Besides the picture, the JSON reports each negative's cosine to its nearest query (and each
 query's to its nearest other query, for scale): isolated negatives have a low one.
+
+Writes negatives.png, negatives.csv (kind, minibatch, x, y of every plotted point) and
+negatives.json (bank, counts, nearest-query cosines; AdCo's ``filled`` count while the bank fills).
 """
 
 from __future__ import annotations

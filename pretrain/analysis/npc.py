@@ -16,6 +16,10 @@ so its (L2-normalized) backbone features are used, and the report says so. BN ru
 an image's embedding then does not depend on its batch, so one pass over the data serves every
 batch size and only the number of negatives changes between them, the effect the figure shows.
 The batches are random partitions of the data (seeded); τ is the run's ``method.temperature``.
+
+Writes npc.csv (per B: mean, std, C_v, quantiles), npc_values.csv (every anchor's q_B with its
+batch, image index in ``ImageDataset(root)`` order and view), npc.json (summary, histogram) and
+npc.png (mean and C_v vs B; histograms).
 """
 
 from __future__ import annotations
