@@ -159,6 +159,7 @@ def run(args) -> dict:
     features = LayerFeatures(model, [preset.layer]).to(device).eval()
     described = features.describe(args.crop)[preset.layer]
     dim, channels = described["dim"], described["map"][0]
+    torch.manual_seed(args.seed)  # the fc initialization
     head = build_head(dim, channels, num_classes, preset.head_bn).to(device)
     optimizer = torch.optim.SGD(head.parameters(), lr=preset.lr, momentum=preset.momentum,
                                 nesterov=preset.nesterov, weight_decay=preset.weight_decay)

@@ -1,0 +1,171 @@
+"""Frozen features (FAIR pooling table, cache), kNN votes against brute force, the linear probe's
+frozen backbone and exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import transfer.features as features
+import transfer.linear as linear
+from converters.checkpoint_io import load_backbone
+from transfer.features import LayerFeatures, Preprocessing, pool, pooling_for
+from transfer.knn import knn_scores, topk_accuracy
+
+
+def small_stem_resnet18(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    net = torchvision.models.resnet18()
+    net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    net.maxpool = nn.Identity()
+    net.fc = nn.Identity()
+    return net
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint(tmp_path_factory):
+    """A random-init small-stem ResNet-18 as a plain torchvision state_dict file."""
+    path = tmp_path_factory.mktemp("ckpt") / "resnet18_small_random.pth"
+    torch.save(small_stem_resnet18().state_dict(), path)
+    return path
+
+
+# --------------------------------------------------------------------------------------- features
+
+def test_fair_pooling_table_at_224():
+    """The FAIR benchmark's (kernel, stride, pad) and dims for ResNet-50 at 224 px (transfer.md §3.2)."""
+    table = {"conv1": ((10, 10, 4), 9216), "res2": ((16, 8, 0), 9216), "res3": ((13, 5, 0), 8192),
+             "res4": ((8, 3, 0), 9216), "res5": ((6, 1, 0), 8192)}
+    maps = {"conv1": 112, "res2": 56, "res3": 28, "res4": 14, "res5": 7}
+    for layer, ((k, s, p), _) in table.items():
+        assert pooling_for(layer, maps[layer], maps[layer]) == ((k, k), (s, s), (p, p))
+    described = LayerFeatures(torchvision.models.resnet50().eval(), [*table, "res5avg"]).describe(224)
+    assert {name: d["dim"] for name, d in described.items()} == {**{n: d for n, (_, d) in table.items()},
+                                                                   "res5avg": 2048}
+    fmap = torch.randn(2, 16, 7, 7)
+    assert torch.equal(pool("res5", fmap), nn.AvgPool2d(6, 1, 0)(fmap).flatten(1))
+    assert torch.allclose(pool("res5avg", fmap), fmap.mean(dim=(2, 3)))
+
+
+def test_pooling_keeps_the_grid_on_small_maps():
+    for layer, grid in (("res4", 3), ("res5", 2)):
+        for side in (2 * grid, 4, 8, 9):
+            if side < grid:
+                continue
+            assert pool(layer, torch.randn(1, 5, side, side)).shape[1] == 5 * grid * grid
+    with pytest.raises(ValueError, match="too small"):
+        pool("res4", torch.randn(1, 5, 2, 2))
+
+
+def test_preprocessing_warp_vs_center():
+    from PIL import Image
+
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 100, 3), dtype=np.uint8))
+    assert Preprocessing(48, 40, "warp").transform()(image).shape == (3, 40, 40)
+    assert Preprocessing(48, 40, "center").transform()(image).shape == (3, 40, 40)
+    assert not torch.equal(Preprocessing(48, 40, "warp").transform()(image),
+                           Preprocessing(48, 40, "center").transform()(image))
+
+
+def test_feature_cache_extracts_once(synthetic_root, random_checkpoint, tmp_path, monkeypatch):
+    from transfer.datasets.readers import read_image_folder
+
+    model, _ = features.load_model(random_checkpoint)
+    prep = Preprocessing(36, 32, "center")
+    data = read_image_folder(synthetic_root / "imagenet" / "val")
+    data.transform = prep.transform()
+    cache = features.FeatureCache(tmp_path, random_checkpoint, "query", prep)
+    calls = []
+    real = features.extract
+    monkeypatch.setattr(features, "extract", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = cache.get(lambda names: LayerFeatures(model, names), data, "val", ["res5avg", "res5"])
+    second = cache.get(lambda names: LayerFeatures(model, names), data, "val", ["res5avg"])
+    assert len(calls) == 1
+    assert first["res5avg"].shape == (len(data), 512) and first["res5"].shape == (len(data), 2048)
+    np.testing.assert_array_equal(first["res5avg"], second["res5avg"])
+    # Independent: the same images through the plain torchvision model give the same features.
+    x = torch.stack([data[i][0] for i in range(3)])
+    with torch.no_grad():
+        np.testing.assert_allclose(first["res5avg"][:3], model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+# -------------------------------------------------------------------------------------------- kNN
+
+def test_knn_votes_match_brute_force():
+    rng = np.random.default_rng(0)
+    bank = torch.nn.functional.normalize(torch.randn(50, 8, dtype=torch.float64), dim=1)
+    query = torch.nn.functional.normalize(torch.randn(13, 8, dtype=torch.float64), dim=1)
+    labels = torch.as_tensor(rng.integers(0, 4, 50))
+    k, t = 7, 0.07
+    got = knn_scores(query, bank, labels, 4, k, t, chunk=5)
+    for q in range(13):
+        sims = [float(query[q] @ bank[j]) for j in range(50)]
+        nearest = sorted(range(50), key=lambda j: -sims[j])[:k]
+        expected = [sum(np.exp(sims[j] / t) for j in nearest if labels[j] == c) for c in range(4)]
+        np.testing.assert_allclose(got[q].numpy(), expected, rtol=1e-10)
+    scores = torch.tensor([[0.1, 0.5, 0.4], [0.9, 0.05, 0.05]])
+    assert topk_accuracy(scores, torch.tensor([2, 0]), ks=(1, 2)) == {"top1": 50.0, "top2": 100.0}
+
+
+# ----------------------------------------------------------------------------------- linear probe
+
+def probe_args(ckpt, root, out, *extra):
+    return ["--weights", str(ckpt), "--dataset", "places205", "--data-root", str(root / "places205"),
+            "--preset", "places205", "--output-dir", str(out), "--epochs", "2", "--batch-size", "16",
+            "--lr", "0.1", "--resize", "36", "--crop", "32", "--workers", "0", *extra]
+
+
+def test_linear_probe_leaves_backbone_bit_identical(synthetic_root, random_checkpoint, tmp_path, monkeypatch):
+    loaded = []
+    real = linear.load_model
+    monkeypatch.setattr(linear, "load_model", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    linear.main(probe_args(random_checkpoint, synthetic_root, tmp_path))
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["backbone_unchanged"] and metrics["feature"]["dim"] == 4 * 512
+    assert metrics["feature"]["head"] == "BN(no affine) + fc" and len(metrics["history"]) == 2
+    model = loaded[0][0]
+    on_disk = load_backbone(random_checkpoint).state_dict
+    after = model.state_dict()
+    assert on_disk.keys() == after.keys()
+    assert all(torch.equal(after[k], v) for k, v in on_disk.items())  # weights and BN buffers, every bit
+    # The check can fail: one forward pass in train mode moves the BN statistics.
+    model.train()(torch.randn(4, 3, 32, 32))
+    assert "bn1.running_mean" in linear.backbone_changes(model, on_disk)
+
+
+def test_linear_probe_resume_repeats_the_run(synthetic_root, random_checkpoint, tmp_path, monkeypatch):
+    linear.main(probe_args(random_checkpoint, synthetic_root, tmp_path / "full"))
+    full = json.loads((tmp_path / "full" / "metrics.json").read_text())["history"]
+
+    saves = []
+    real_save = linear.atomic_torch_save
+
+    def save_then_stop(obj, path):
+        real_save(obj, path)
+        saves.append(path)
+        raise KeyboardInterrupt  # "killed" right after the first epoch's checkpoint
+
+    monkeypatch.setattr(linear, "atomic_torch_save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        linear.main(probe_args(random_checkpoint, synthetic_root, tmp_path / "cut"))
+    monkeypatch.setattr(linear, "atomic_torch_save", real_save)
+    with pytest.raises(SystemExit, match="--resume"):  # never overwrites a run silently
+        linear.main(probe_args(random_checkpoint, synthetic_root, tmp_path / "cut"))
+    linear.main(probe_args(random_checkpoint, synthetic_root, tmp_path / "cut", "--resume"))
+    resumed = json.loads((tmp_path / "cut" / "metrics.json").read_text())["history"]
+    strip = lambda h: [{k: v for k, v in e.items() if k != "seconds"} for e in h]  # noqa: E731
+    assert strip(resumed) == strip(full)
+
+
+def test_presets_follow_the_papers():
+    moco, adco, places = linear.PRESETS["moco"], linear.PRESETS["adco"], linear.PRESETS["places205"]
+    assert [moco.lr_at(e) for e in (0, 59, 60, 79, 80, 99)] == pytest.approx([30, 30, 3, 3, 0.3, 0.3])
+    assert adco.lr_at(0) == pytest.approx(10) and adco.lr_at(50) == pytest.approx(0.01 + 0.5 * (10 - 0.01))
+    assert [places.lr_at(e) for e in (6, 7, 14, 21)] == pytest.approx([0.01, 1e-3, 1e-4, 1e-5])
+    assert places.nesterov and places.weight_decay == 1e-4 and places.head_bn and not moco.head_bn
+    assert moco.with_epochs(5).milestones == (3, 4)
