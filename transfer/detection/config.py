@@ -1,0 +1,198 @@
+"""The run's detectron2 config: YAML with ``_BASE_`` + ``KEY VALUE`` overrides, then three
+adjustments that depend on where it runs, each logged as a notice:
+
+* **Linear scaling** (Goyal et al., "ImageNet in 1 hour"): when the total batch
+  ``SOLVER.IMS_PER_BATCH`` given on the command line differs from the config file's ``B0``,
+  with ``f = B / B0``: ``BASE_LR × f``; ``MAX_ITER``, ``STEPS``, ``WARMUP_ITERS``,
+  ``CHECKPOINT_PERIOD``, ``TEST.EVAL_PERIOD`` ÷ f — same epochs, same lr per image. Keys also
+  given on the command line are kept as given. (BN statistics still see a different per-GPU
+  batch, so this is close to, not exactly, the reference run.)
+* **Device**: ``MODEL.DEVICE cuda`` on a machine without CUDA runs on the CPU.
+* **Synchronized BN**: with one process there is nothing to synchronize, so every
+  ``SyncBN``/``naiveSyncBN`` norm becomes plain ``BN``. With several CPU processes (gloo),
+  ``nn.SyncBatchNorm`` cannot run (it needs CUDA), so ``SyncBN`` becomes detectron2's
+  ``naiveSyncBN`` (all-reduces per-process mean and mean-of-squares over gloo, each process
+  weighted equally). With several GPU processes ``SyncBN`` stays ``nn.SyncBatchNorm``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import torch
+from detectron2.config import CfgNode, get_cfg
+from yacs.config import CfgNode as _YacsNode
+
+from transfer.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
+
+
+class ConfigError(ValueError):
+    """Bad config file, key, value or weights file; the message names it."""
+
+
+# key -> how its value changes when the total batch is multiplied by f
+_LINEAR_SCALING = {
+    "SOLVER.BASE_LR": lambda v, f: v * f,
+    "SOLVER.MAX_ITER": lambda v, f: int(round(v / f)),
+    "SOLVER.STEPS": lambda v, f: tuple(int(round(s / f)) for s in v),
+    "SOLVER.WARMUP_ITERS": lambda v, f: int(round(v / f)),
+    "SOLVER.CHECKPOINT_PERIOD": lambda v, f: max(1, int(round(v / f))),
+    "TEST.EVAL_PERIOD": lambda v, f: int(round(v / f)),
+}
+_SYNC_NORMS = ("SyncBN", "nnSyncBN", "naiveSyncBN", "naiveSyncBN_N")
+
+
+def _get(cfg: CfgNode, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _set(cfg: CfgNode, key: str, value) -> None:
+    *path, last = key.split(".")
+    node = cfg
+    for part in path:
+        node = node[part]
+    node[last] = value
+
+
+def scale_schedule(cfg: CfgNode, reference_batch: int, given: set[str]) -> list[str]:
+    """Apply linear scaling in place when ``SOLVER.IMS_PER_BATCH`` differs from
+    `reference_batch`; returns the notices."""
+    batch = cfg.SOLVER.IMS_PER_BATCH
+    if batch == reference_batch:
+        return []
+    f = batch / reference_batch
+    changes, kept = [], []
+    for key, rule in _LINEAR_SCALING.items():
+        old = _get(cfg, key)
+        if key in given:
+            kept.append(f"{key} {old}")
+            continue
+        new = rule(old, f)
+        _set(cfg, key, new)
+        if new != old:
+            changes.append(f"{key} {old} -> {new}")
+    note = (f"SOLVER.IMS_PER_BATCH {batch} differs from the config's {reference_batch}: linear scaling "
+            f"by {f:g}: " + ", ".join(changes or ["nothing to change"]))
+    if kept:
+        note += "; kept as given on the command line: " + ", ".join(kept)
+    return [note]
+
+
+def choose_device(cfg: CfgNode, world_size: int) -> list[str]:
+    device = cfg.MODEL.DEVICE
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        cfg.MODEL.DEVICE = "cpu"
+        return [f"MODEL.DEVICE {device}: CUDA is not available, running on the CPU"]
+    if device == "cpu" and world_size > 1 and torch.cuda.is_available():
+        raise ConfigError("MODEL.DEVICE cpu with several processes on a CUDA machine: detectron2's launch "
+                          "then uses NCCL, which cannot reduce CPU tensors; hide the GPUs "
+                          "(CUDA_VISIBLE_DEVICES=) to run CPU processes over gloo")
+    return []
+
+
+def _norm_keys(node: CfgNode, prefix: str = ""):
+    for key, value in node.items():
+        if isinstance(value, _YacsNode):
+            yield from _norm_keys(value, f"{prefix}{key}.")
+        elif key == "NORM":
+            yield f"{prefix}{key}", value
+
+
+def resolve_sync_norm(cfg: CfgNode, world_size: int) -> list[str]:
+    """Replace synchronized norms that cannot run here (module docstring); returns the notices."""
+    on_cpu = cfg.MODEL.DEVICE == "cpu"
+    notes = []
+    for key, norm in list(_norm_keys(cfg)):
+        if norm not in _SYNC_NORMS:
+            continue
+        if world_size == 1:
+            new, why = "BN", "one process: nothing to synchronize"
+        elif on_cpu and norm in ("SyncBN", "nnSyncBN"):
+            new, why = "naiveSyncBN", f"{world_size} CPU processes: nn.SyncBatchNorm needs CUDA, " \
+                                      "detectron2's NaiveSyncBatchNorm all-reduces over gloo"
+        else:
+            continue
+        _set(cfg, key, new)
+        notes.append(f"{key} {norm} -> {new} ({why})")
+    return notes
+
+
+def _pairs(opts: list[str]) -> list[tuple[str, str]]:
+    if len(opts) % 2:
+        raise ConfigError(f"overrides must come as KEY VALUE pairs; got an odd number: {' '.join(opts)}")
+    return list(zip(opts[0::2], opts[1::2]))
+
+
+def _explain(e: Exception, where: str) -> ConfigError:
+    text = str(e.args[0]) if e.args else str(e)
+    if text.startswith("Non-existent config key: "):
+        key = text.split(": ", 1)[1]
+        return ConfigError(f"{where}: config key {key} does not exist in detectron2's config "
+                           "(detectron2/config/defaults.py lists the valid keys)")
+    return ConfigError(f"{where}: {text}")
+
+
+def build_config(config_file: str, opts: list[str], world_size: int = 1) -> tuple[CfgNode, list[str]]:
+    """Load `config_file` (with its ``_BASE_`` chain), apply the overrides `opts` and the
+    adjustments of the module docstring for `world_size` processes. Returns the frozen config
+    and the notices to log."""
+    if not Path(config_file).is_file():
+        raise ConfigError(f"--config-file {config_file}: no such file")
+    cfg = get_cfg()
+    try:
+        cfg.merge_from_file(config_file)
+    except (KeyError, ValueError, AssertionError) as e:
+        raise _explain(e, config_file) from None
+    reference_batch = cfg.SOLVER.IMS_PER_BATCH
+    pairs = _pairs(list(opts))
+    for key, value in pairs:
+        try:
+            cfg.merge_from_list([key, value])
+        except (KeyError, ValueError, AssertionError) as e:
+            raise _explain(e, f"override {key} {value}") from None
+    notes = scale_schedule(cfg, reference_batch, {k for k, _ in pairs})
+    notes += choose_device(cfg, world_size)
+    notes += resolve_sync_norm(cfg, world_size)
+    if cfg.SOLVER.IMS_PER_BATCH % world_size:
+        raise ConfigError(f"SOLVER.IMS_PER_BATCH {cfg.SOLVER.IMS_PER_BATCH} is the total batch and must be "
+                          f"divisible by the {world_size} processes")
+    cfg.freeze()
+    return cfg, notes
+
+
+def read_weights(path: str) -> dict:
+    """Read ``MODEL.WEIGHTS`` as detectron2 will (``.pkl``: pickle with ``model`` and
+    ``__author__``; other extensions: ``torch.load``) and fail with a one-line reason where
+    detectron2 would fail later or silently load nothing. Returns the name -> array dict."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"MODEL.WEIGHTS {path}: no such file")
+    hint = "expected a .pkl written by `python -m converters.to_detectron2` or a detectron2 .pth checkpoint"
+    if path.endswith(".pkl"):
+        try:
+            with open(path, "rb") as f:
+                data = pickle.load(f, encoding="latin1")
+        except pickle.UnpicklingError as e:
+            extra = " (a torch.save file named .pkl? rename it to .pth)" if "persistent" in str(e) else ""
+            raise ConfigError(f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read: {e}{extra}; {hint}") from None
+        except Exception as e:  # truncated / not a pickle at all
+            raise ConfigError(f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {e}); {hint}") from None
+        if not (isinstance(data, dict) and "model" in data and "__author__" in data) and not (
+                isinstance(data, dict) and ("blobs" in data or all(hasattr(v, "shape") for v in data.values()))):
+            raise ConfigError(f"MODEL.WEIGHTS {path}: a .pkl needs the keys 'model' and '__author__' "
+                              f"(found {sorted(map(str, data))[:5] if isinstance(data, dict) else type(data).__name__}); {hint}")
+        model = data.get("model", data.get("blobs", data))
+    else:
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise ConfigError(f"MODEL.WEIGHTS {path}: torch.load failed ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); {hint}") from None
+        model = data.get("model", data) if isinstance(data, dict) else None
+    if not isinstance(model, dict) or not any(hasattr(v, "shape") for v in model.values()):
+        raise ConfigError(f"MODEL.WEIGHTS {path}: holds no tensors; {hint}")
+    return model

@@ -1,0 +1,170 @@
+"""One fine-tuning job: check inputs, run each seed through detectron2's ``launch``, write
+``metrics.json`` (final AP figures) per run and, for several seeds, their mean ± std.
+
+Layout of ``OUTPUT_DIR``: one seed -> the run's files directly; ``--seeds S`` with S > 1 ->
+``seed_<s>/`` per seed (seeds ``SEED, SEED+1, ...``, or ``0..S-1`` when ``SEED`` is -1) and
+``metrics.json`` with ``mean`` and ``std`` (sample standard deviation, n - 1) of every metric.
+With ``--resume``, seeds whose ``metrics.json`` exists are not run again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+from pathlib import Path
+
+import torch
+from detectron2.config import CfgNode
+from detectron2.engine import default_setup, launch
+from detectron2.utils import comm
+from detectron2.utils.logger import setup_logger
+
+from transfer.detection.config import ConfigError, build_config, read_weights
+from transfer.detection.datasets import check_datasets, register_datasets
+from transfer.detection.trainer import BackboneCheckingCheckpointer, Trainer
+
+HEADLINE = ("AP50", "AP", "AP75", "APs", "APm", "APl")
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, allow_nan=False))
+    os.replace(tmp, path)
+
+
+def _finite(value):
+    """COCO reports NaN for categories without ground truth; JSON has no NaN."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def seed_list(config_seed: int, count: int) -> list[int]:
+    if count < 1:
+        raise ConfigError(f"--seeds {count}: expected at least 1")
+    if count == 1:
+        return [config_seed]
+    start = config_seed if config_seed >= 0 else 0
+    return list(range(start, start + count))
+
+
+def _fresh_logging() -> None:
+    # setup_logger is lru-cached and adds handlers per output dir; seeds run one after another
+    # in one process would otherwise also log into the previous seed's log.txt.
+    setup_logger.cache_clear()
+    for name in ("detectron2", "fvcore", "d2"):
+        logging.getLogger(name).handlers.clear()
+
+
+def worker(cfg: CfgNode, notes: list[str], args) -> None:
+    """Runs in every process (``launch``): train + evaluate, or evaluate only."""
+    register_datasets(args.data_root)
+    _fresh_logging()
+    default_setup(cfg, args)
+    log = logging.getLogger("detectron2")
+    for note in notes:
+        log.warning(f"notice: {note}")
+    if args.eval_only:
+        model = Trainer.build_model(cfg)
+        BackboneCheckingCheckpointer(model, save_dir=cfg.OUTPUT_DIR).resume_or_load(cfg.MODEL.WEIGHTS, resume=args.resume)
+        results, iteration = Trainer.test(cfg, model), None
+    else:
+        trainer = Trainer(cfg)
+        trainer.resume_or_load(resume=args.resume)
+        trainer.train()
+        results, iteration = getattr(trainer, "_last_eval_results", {}), trainer.iter + 1
+    if comm.is_main_process():
+        if len(cfg.DATASETS.TEST) == 1:  # DefaultTrainer.test unwraps a single dataset's results
+            results = {cfg.DATASETS.TEST[0]: results}
+        write_json_atomic(Path(cfg.OUTPUT_DIR) / "metrics.json", {
+            "config_file": args.config_file, "weights": cfg.MODEL.WEIGHTS, "seed": cfg.SEED,
+            "eval_only": bool(args.eval_only), "iterations": iteration,
+            "world_size": comm.get_world_size(), "ims_per_batch": cfg.SOLVER.IMS_PER_BATCH,
+            "base_lr": cfg.SOLVER.BASE_LR, "notices": notes,
+            "results": _finite({name: {task: dict(m) for task, m in r.items()} for name, r in results.items()}),
+        })
+
+
+def check_inputs(cfg: CfgNode, args) -> None:
+    """Everything that can be checked before any process starts training."""
+    names = list(cfg.DATASETS.TEST) + ([] if args.eval_only else list(cfg.DATASETS.TRAIN))
+    check_datasets(names, args.data_root)
+    check_datasets(cfg.DATASETS.TEST, args.data_root, load=True)  # otherwise first read after training
+    if cfg.MODEL.WEIGHTS and "://" not in cfg.MODEL.WEIGHTS:
+        read_weights(cfg.MODEL.WEIGHTS)
+    elif not cfg.MODEL.WEIGHTS:
+        logging.getLogger("detectron2").warning("MODEL.WEIGHTS is empty: the backbone starts from random weights")
+    if cfg.MODEL.DEVICE.startswith("cuda") and args.num_gpus > torch.cuda.device_count():
+        raise ConfigError(f"--num-gpus {args.num_gpus}: only {torch.cuda.device_count()} CUDA devices visible")
+
+
+def aggregate(runs: dict[int, dict]) -> dict:
+    """mean and sample std (n - 1; null for one run) of every metric present in all runs."""
+    first = next(iter(runs.values()))["results"]
+    mean, std = {}, {}
+    for name, tasks in first.items():
+        for task, metrics in tasks.items():
+            for metric in metrics:
+                values = [r["results"].get(name, {}).get(task, {}).get(metric) for r in runs.values()]
+                if any(v is None for v in values):
+                    continue
+                mean.setdefault(name, {}).setdefault(task, {})[metric] = statistics.fmean(values)
+                std.setdefault(name, {}).setdefault(task, {})[metric] = (
+                    statistics.stdev(values) if len(values) > 1 else None)
+    return {"mean": mean, "std": std}
+
+
+def summary_lines(metrics: dict) -> list[str]:
+    """Headline figures, 'AP50 81.50 ± 0.20' for several seeds."""
+    lines = []
+    results = metrics.get("mean") or metrics["results"]
+    for name, tasks in results.items():
+        for task, m in tasks.items():
+            parts = []
+            for key in HEADLINE:
+                if m.get(key) is None:
+                    continue
+                s = metrics.get("std", {}).get(name, {}).get(task, {}).get(key)
+                parts.append(f"{key} {m[key]:.2f}" + (f" ± {s:.2f}" if s is not None else ""))
+            lines.append(f"{name} {task}: " + ", ".join(parts))
+    return lines
+
+
+def run(args) -> dict:
+    """The whole job (all seeds); returns what it wrote to ``OUTPUT_DIR/metrics.json``."""
+    world_size = args.num_gpus * args.num_machines
+    cfg, notes = build_config(args.config_file, args.opts, world_size)
+    register_datasets(args.data_root)
+    check_inputs(cfg, args)
+    seeds = seed_list(cfg.SEED, args.seeds)
+    out = Path(cfg.OUTPUT_DIR)
+    runs = {}
+    for seed in seeds:
+        run_cfg = cfg.clone()
+        run_cfg.defrost()
+        run_cfg.SEED = seed
+        run_cfg.OUTPUT_DIR = str(out / f"seed_{seed}") if len(seeds) > 1 else str(out)
+        run_cfg.freeze()
+        metrics_path = Path(run_cfg.OUTPUT_DIR) / "metrics.json"
+        if not (len(seeds) > 1 and args.resume and metrics_path.is_file()):
+            launch(worker, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
+                   dist_url=args.dist_url, args=(run_cfg, notes, args))
+        if args.machine_rank == 0:  # global rank 0 lives on machine 0 and wrote the file
+            runs[seed] = json.loads(metrics_path.read_text())
+    if args.machine_rank != 0:
+        return {}
+    if len(seeds) == 1:
+        metrics = runs[seeds[0]]
+    else:
+        metrics = {"config_file": args.config_file, "weights": cfg.MODEL.WEIGHTS, "seeds": seeds,
+                   "runs": {str(s): str(out / f"seed_{s}") for s in seeds}, **aggregate(runs),
+                   "per_seed": {str(s): r["results"] for s, r in runs.items()}}
+        write_json_atomic(out / "metrics.json", metrics)
+    for line in summary_lines(metrics):
+        print(line, flush=True)
+    return metrics

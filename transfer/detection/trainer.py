@@ -1,0 +1,95 @@
+"""detectron2's DefaultTrainer with the evaluators, writers and checks this protocol needs."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import weakref
+
+from detectron2.checkpoint import DetectionCheckpointer
+from detectron2.engine import AMPTrainer, DefaultTrainer, SimpleTrainer, TrainerBase, create_ddp_model
+from detectron2.evaluation import COCOEvaluator, PascalVOCDetectionEvaluator
+from detectron2.data import MetadataCatalog
+from detectron2.utils import comm
+from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
+
+logger = logging.getLogger("detectron2")
+
+# Pretrained ResNet body tensors in a detection model: the stem and the res2..res5 blocks, under
+# backbone.(bottom_up.) for FPN and C4, and under roi_heads.res5 for C4 (the extra
+# roi_heads.res5.norm is new and not part of the body).
+_BODY_KEY = re.compile(r"(^|\.)(stem\.|res[2-5]\.\d+\.)")
+# detectron2's compiled extension holds the fast COCO evaluation; without it (pure-Python
+# install) the pycocotools path is the only one.
+_HAS_C_EXTENSION = importlib.util.find_spec("detectron2._C") is not None
+
+EVALUATORS = {
+    "coco": lambda name, out: COCOEvaluator(name, output_dir=out, use_fast_impl=_HAS_C_EXTENSION),
+    "pascal_voc": lambda name, out: PascalVOCDetectionEvaluator(name),
+}
+
+
+class BackboneNotLoaded(RuntimeError):
+    pass
+
+
+def body_keys(model) -> list[str]:
+    # num_batches_tracked only matters for BN with momentum=None; some converters drop it
+    return [k for k in model.state_dict() if _BODY_KEY.search(k) and not k.endswith("num_batches_tracked")]
+
+
+class BackboneCheckingCheckpointer(DetectionCheckpointer):
+    """Refuses a weights file that leaves any pretrained-body tensor of the model unloaded
+    (prefix not stripped, wrong depth, small stem, ...): detectron2 itself only logs those as
+    "not found in checkpoint" and trains on from random weights. New layers (FPN, RPN, box
+    head, extra norm) are expected to be missing."""
+
+    def _load_model(self, checkpoint):
+        incompatible = super()._load_model(checkpoint)
+        body = set(body_keys(self.model))
+        missing = sorted(body.intersection(incompatible.missing_keys))
+        if missing:
+            raise BackboneNotLoaded(
+                f"weights file left {len(missing)} of the {len(body)} backbone tensors unloaded "
+                f"(first: {', '.join(missing[:3])}); expected a ResNet of the config's MODEL.RESNETS.DEPTH "
+                "in detectron2 names (python -m converters.to_detectron2 writes them)")
+        logger.info(f"all {len(body)} backbone tensors loaded from the weights file")
+        return incompatible
+
+
+class Trainer(DefaultTrainer):
+    def __init__(self, cfg):
+        # DefaultTrainer.__init__, except for two lines: DDP gets `device_ids` only for a CUDA
+        # model (detectron2 always passes [local_rank], which DDP rejects for CPU modules, so
+        # several CPU processes could not train), and the checkpointer checks the backbone.
+        TrainerBase.__init__(self)
+        cfg = DefaultTrainer.auto_scale_workers(cfg, comm.get_world_size())
+        model = self.build_model(cfg)
+        optimizer = self.build_optimizer(cfg, model)
+        data_loader = self.build_train_loader(cfg)
+        device_ids = [comm.get_local_rank()] if cfg.MODEL.DEVICE.startswith("cuda") else None
+        model = create_ddp_model(model, broadcast_buffers=False, device_ids=device_ids)
+        self._trainer = (AMPTrainer if cfg.SOLVER.AMP.ENABLED else SimpleTrainer)(model, data_loader, optimizer)
+        self.scheduler = self.build_lr_scheduler(cfg, optimizer)
+        self.checkpointer = BackboneCheckingCheckpointer(model, cfg.OUTPUT_DIR, trainer=weakref.proxy(self))
+        self.start_iter = 0
+        self.max_iter = cfg.SOLVER.MAX_ITER
+        self.cfg = cfg
+        self.register_hooks(self.build_hooks())
+
+    @classmethod
+    def build_evaluator(cls, cfg, dataset_name, output_folder=None):
+        evaluator_type = MetadataCatalog.get(dataset_name).get("evaluator_type")
+        if evaluator_type not in EVALUATORS:
+            raise ValueError(f"dataset {dataset_name}: no evaluator for evaluator_type {evaluator_type!r} "
+                             f"(known: {', '.join(EVALUATORS)})")
+        return EVALUATORS[evaluator_type](dataset_name, output_folder or os.path.join(cfg.OUTPUT_DIR, "inference"))
+
+    def build_writers(self):
+        # detectron2 calls its per-iteration JSON log metrics.json; that name is this tool's
+        # final-results file, so the training log is training_metrics.json.
+        return [CommonMetricPrinter(self.max_iter),
+                JSONWriter(os.path.join(self.cfg.OUTPUT_DIR, "training_metrics.json")),
+                TensorboardXWriter(self.cfg.OUTPUT_DIR)]
