@@ -174,9 +174,9 @@ def run_svms(train_x: np.ndarray, train_labels: np.ndarray, test_x: np.ndarray, 
     xte = sp.csr_matrix(l2_normalize(test_x))
     ytr = training_targets(train_labels)
     for c, name in enumerate(classes):
-        if (ytr[:, c] == 1).sum() < CV_FOLDS:
-            raise ValueError(f"class {name!r} has {(ytr[:, c] == 1).sum()} positive training images; "
-                             f"{CV_FOLDS}-fold cross-validation needs at least {CV_FOLDS}")
+        if (ytr[:, c] == 1).sum() < CV_FOLDS:  # the reference runs anyway; so do we, but say so
+            logger.warning("class %r has %d positive training images: some of the %d CV folds have none "
+                           "(their AP counts as 0, as in cross_val_score)", name, (ytr[:, c] == 1).sum(), CV_FOLDS)
     n_classes = len(classes)
     cv = _run([((c, j), cv_score, (xtr, ytr[:, c], cost, seed))
                for c in range(n_classes) for j, cost in enumerate(costs)], jobs, "SVM cross-validation")
