@@ -74,27 +74,27 @@ def adjust_saturation(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 def adjust_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Shift the HSV hue by ``shift`` (fraction of a turn, mod 1); value and saturation are kept.
 
-    With M = max(r,g,b), C = M − min(r,g,b) and the hue as a sector position H ∈ [0, 6)
-    ((g−b)/C if M = r, else (b−r)/C + 2 if M = g, else (r−g)/C + 4; torchvision's precedence),
-    channel n ∈ {R: 5, G: 3, B: 1} is M − C·clamp(2 − |k − 2|, 0, 1), k = (n + H + 6·shift) mod 6:
-    HSV → RGB in closed form, with float masks instead of torch.where and table look-ups
-    (several times cheaper than torchvision's rgb→hsv→rgb on CPU).
+    With M = max(r,g,b), C = M − min(r,g,b) and the hue as a position H ∈ [0, 6) on the colour
+    hexagon ((g−b)/C if M = r, else (b−r)/C + 2 if M = g, else (r−g)/C + 4: torchvision's
+    precedence), channel n ∈ {R: 5, G: 3, B: 1} of the result is M − C·clamp(2 − d, 0, 1), d the
+    circular distance (period 6) between n + H + 6·shift and 2: HSV → RGB in closed form, without
+    torchvision's torch.where and table look-ups (slow on CPU).
     """
     r, g, b = x.unbind(dim=-3)
-    maxc = torch.maximum(torch.maximum(r, g), b)
-    chroma = maxc - torch.minimum(torch.minimum(r, g), b)
-    is_r = (maxc == r).to(x.dtype)
-    is_g = (maxc == g).to(x.dtype).mul_(1 - is_r)
-    is_b = 1 - is_r - is_g
-    h = (g - b).mul_(is_r).add_((b - r).add_(chroma, alpha=2).mul_(is_g)) \
-        .add_((r - g).add_(chroma, alpha=4).mul_(is_b))
-    h = h.div_(chroma + (chroma == 0).to(x.dtype))  # gray pixels (C = 0) have h = 0
-    h = h.add_(_per_sample(shift, x).squeeze(-3), alpha=6).add_(6)  # > 0, for the mod below
-    n = torch.tensor([5.0, 3.0, 1.0], dtype=x.dtype, device=x.device).reshape(3, 1, 1)
-    k = h.unsqueeze(-3) + n
-    k = k.sub_(k.div(6).floor_().mul_(6))  # mod 6
-    weight = k.sub_(2).abs_().neg_().add_(2).clamp_(0, 1)
-    return maxc.unsqueeze(-3) - chroma.unsqueeze(-3) * weight
+    maxc = x.amax(dim=-3)
+    chroma = x.amin(dim=-3).neg_().add_(maxc)
+    max_r = maxc == r
+    max_g = (maxc == g).logical_and_(max_r.logical_not())
+    max_b = max_r.logical_or(max_g).logical_not_()
+    h = (g - b).mul_(max_r)
+    h.addcmul_((b - r).add_(chroma, alpha=2), max_g).addcmul_((r - g).add_(chroma, alpha=4), max_b)
+    h.div_(chroma.masked_fill(chroma == 0, 1.0))  # gray pixels (C = 0) keep h = 0
+    h.add_(_per_sample(shift, x).squeeze(-3), alpha=6).remainder_(6)  # shifted position, [0, 6)
+    n_minus_2 = torch.tensor([3.0, 1.0, -1.0], dtype=x.dtype, device=x.device).reshape(3, 1, 1)
+    k = h.unsqueeze(-3) + n_minus_2  # ∈ [−1, 9): one period suffices, d = min(|k|, |k − 6|)
+    d = torch.minimum(k.sub(6).abs_(), k.abs_(), out=k)
+    weight = d.neg_().add_(2).clamp_(0, 1)
+    return torch.addcmul(maxc.unsqueeze(-3), chroma.unsqueeze(-3), weight, value=-1)
 
 
 def gaussian_blur(x: torch.Tensor, kernel_size: int, sigma: torch.Tensor) -> torch.Tensor:
