@@ -211,6 +211,7 @@ def plot(rows: list[dict], cfg: ToyConfig, path: Path) -> Path:
         ax.set_title(f"{LABELS[loss_name]} estimate (o ours, x paper Table 9)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("MI estimate (nats)")
+    axes[0].legend(fontsize=8, loc="upper left")
     axes[1].legend(fontsize=8, loc="lower right")
     fig.suptitle(f"EqCo toy MI: d={cfg.dim}, {cfg.steps} steps, {cfg.eval_batches} eval batches")
     return save_figure(fig, path)
