@@ -6,6 +6,7 @@ reproducibility whatever the batch composition, batch size or number of workers.
 import itertools
 from collections import Counter
 import math
+import shutil
 
 import pytest
 import torch
@@ -233,13 +234,17 @@ def test_a_samples_views_do_not_depend_on_its_batch(train_root):
     assert not torch.equal(ds.__getitems__([8])[0][0][0], alone[0])
 
 
-def test_loader_views_are_the_same_for_any_batch_size_and_worker_count(train_root):
-    ds = ImageDataset(train_root, build_view_transforms("simclr", 16), seed=0)
+def test_loader_views_are_the_same_for_any_batch_size_and_worker_count(train_root, tmp_path):
+    for cls in sorted(p.name for p in train_root.iterdir())[:2]:  # two classes keep the test short
+        shutil.copytree(train_root / cls, tmp_path / cls)
+    ds = ImageDataset(tmp_path, build_view_transforms("simclr", 16), seed=0)
     runs = []
-    for batch, workers in ((4, 0), (12, 2)):  # 120 images: both keep the whole permutation
+    for batch, workers in ((4, 0), (12, 2)):
         loader = build_loader(ds, batch, seed=1, num_workers=workers)
         set_loader_epoch(loader, 1)
         batches = list(loader)
         runs.append([torch.cat([b[0][v] for b in batches]) for v in range(2)] + [torch.cat([b[1] for b in batches])])
-    assert runs[0][0].shape == (120, 3, 16, 16)
-    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    # Both runs walk the same permutation; each keeps only whole batches, so compare the common prefix.
+    n = min(len(r[2]) for r in runs)
+    assert n >= 12 and runs[0][0].shape[1:] == (3, 16, 16)
+    assert all(torch.equal(a[:n], b[:n]) for a, b in zip(runs[0], runs[1]))
