@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from pathlib import Path
 
 import torch
@@ -128,9 +129,13 @@ def _pairs(opts: list[str]) -> list[tuple[str, str]]:
     return list(zip(opts[0::2], opts[1::2]))
 
 
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e.args[0] if len(e.args) == 1 else e).split())
+
+
 def _explain(e: Exception, where: str) -> ConfigError:
-    text = str(e.args[0]) if e.args else str(e)
-    if text.startswith("Non-existent config key: "):
+    text = _one_line(e)
+    if text.startswith(("Non-existent config key: ", "Non-existent key: ")):  # from a file / an override
         key = text.split(": ", 1)[1]
         return ConfigError(f"{where}: config key {key} does not exist in detectron2's config "
                            "(detectron2/config/defaults.py lists the valid keys)")
@@ -177,10 +182,14 @@ def read_weights(path: str) -> dict:
             with open(path, "rb") as f:
                 data = pickle.load(f, encoding="latin1")
         except pickle.UnpicklingError as e:
-            extra = " (a torch.save file named .pkl? rename it to .pth)" if "persistent" in str(e) else ""
-            raise ConfigError(f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read: {e}{extra}; {hint}") from None
+            # detectron2#2881 / vissl#375: torch.save output named .pkl (zip, or the legacy format
+            # whose pickle refers to tensor storages by persistent id)
+            saved_by_torch = zipfile.is_zipfile(path) or "persistent" in str(e)
+            extra = " (written by torch.save: rename it to .pth)" if saved_by_torch else ""
+            raise ConfigError(f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read ({_one_line(e)}){extra}; "
+                              f"{hint}") from None
         except Exception as e:  # truncated / not a pickle at all
-            raise ConfigError(f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {e}); {hint}") from None
+            raise ConfigError(f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {_one_line(e)}); {hint}") from None
         if not (isinstance(data, dict) and "model" in data and "__author__" in data) and not (
                 isinstance(data, dict) and ("blobs" in data or all(hasattr(v, "shape") for v in data.values()))):
             raise ConfigError(f"MODEL.WEIGHTS {path}: a .pkl needs the keys 'model' and '__author__' "
@@ -190,8 +199,8 @@ def read_weights(path: str) -> dict:
         try:
             data = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:
-            raise ConfigError(f"MODEL.WEIGHTS {path}: torch.load failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); {hint}") from None
+            raise ConfigError(f"MODEL.WEIGHTS {path}: torch.load failed ({type(e).__name__}: {_one_line(e)}); "
+                              f"{hint}") from None
         model = data.get("model", data) if isinstance(data, dict) else None
     if not isinstance(model, dict) or not any(hasattr(v, "shape") for v in model.values()):
         raise ConfigError(f"MODEL.WEIGHTS {path}: holds no tensors; {hint}")

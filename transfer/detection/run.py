@@ -77,7 +77,7 @@ def worker(cfg: CfgNode, notes: list[str], args) -> None:
         trainer = Trainer(cfg)
         trainer.resume_or_load(resume=args.resume)
         trainer.train()
-        results, iteration = getattr(trainer, "_last_eval_results", {}), trainer.iter + 1
+        results, iteration = getattr(trainer, "_last_eval_results", {}), trainer.iter  # == MAX_ITER when done
     if comm.is_main_process():
         if len(cfg.DATASETS.TEST) == 1:  # DefaultTrainer.test unwraps a single dataset's results
             results = {cfg.DATASETS.TEST[0]: results}
