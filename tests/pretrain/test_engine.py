@@ -54,7 +54,7 @@ def test_every_paper_recipe_and_its_tiny_version_resolve():
         "lars", True, True, "mlp_bn")
     assert _cfg("simo").method.eqco_alpha == 256 and _cfg("simo_k16").method.num_negatives == 16
     tiny = _cfg("tiny_mocov1")  # inherits mocov1's method and _tiny's model
-    assert (tiny.method.head, tiny.model.arch, tiny.model.stem, tiny.name) == ("linear", "resnet18", "small", "tiny_mocov1")
+    assert (tiny.method.head, tiny.model.arch, tiny.model.stem, tiny.name) == ("linear", "resnet18", "imagenet", "tiny_mocov1")
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -96,7 +96,7 @@ def test_tiny_recipe_trains_without_nan_and_loss_moves(accelerator, synthetic_ro
     assert "grad_q_norm_mean" in rows[1] and rows[1]["grad_q_norm_mean"] > 0
     ckpt = torch.load(final, weights_only=False)
     assert ckpt["method"] == _cfg(recipe).method.name and ckpt["arch"] == "resnet18"
-    net, _ = build_backbone("resnet18", "small")
+    net, _ = build_backbone("resnet18", ckpt["stem"])
     net.load_state_dict(ckpt["backbone"])  # torchvision naming, nothing missing or extra
 
 

@@ -462,7 +462,7 @@ def _check_engine_run(rc, log, out, method_name, has_momentum):
     final = out / "checkpoint_final.pth"
     assert final.is_file(), f"no {final}:\n{log[-2000:]}"
     ckpt = torch.load(final, map_location="cpu", weights_only=False)
-    assert (ckpt["arch"], ckpt["stem"], ckpt["method"], ckpt["step"]) == ("resnet18", "small", method_name, 2)
+    assert (ckpt["arch"], ckpt["stem"], ckpt["method"], ckpt["step"]) == ("resnet18", "imagenet", method_name, 2)
     for key in ["backbone"] + (["momentum_backbone"] if has_momentum else []):
         net = _small_stem_resnet18()
         net.load_state_dict(ckpt[key], strict=True)  # torchvision names, nothing missing or extra
