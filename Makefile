@@ -6,6 +6,7 @@ STAMP := $(VENV)/.setup-done
 DATA ?= datasets/synthetic
 PRESET ?= small
 SEED ?= 0
+METHOD ?= mocov2
 
 .PHONY: setup demo test clean-data
 
@@ -16,8 +17,10 @@ $(STAMP): pyproject.toml tools/setup_env.sh tools/install_detectron2_pypi.py
 	bash tools/setup_env.sh
 	touch $@
 
+# The whole pipeline on generated data (tools/demo.py): pretrain METHOD's tiny recipe, then kNN,
+# VOC07 SVM, linear probe and FPN fine-tune against a random-init backbone; outputs/demo/report.md.
 demo: setup
-	$(PY) -m transfer.datasets.synthetic --out $(DATA) --preset $(PRESET) --seed $(SEED)
+	$(PY) tools/demo.py --data $(DATA) --preset $(PRESET) --seed $(SEED) --method $(METHOD) $(if $(FRESH),--fresh)
 
 # One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores.
 test: setup

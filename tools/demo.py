@@ -171,8 +171,10 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(out)
     settings = SETTINGS[args.preset]
     py = sys.executable
-    # Two cores: one busy process at a time; children must not spin extra OpenMP threads.
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    # One stage at a time uses all cores; where a stage runs several processes (SVM fits), passive
+    # OpenMP waiting keeps idle threads from spinning on cores the others need.
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     n_stages = 3 + 2 * 5 + 1
     with tqdm(total=n_stages, unit="stage", dynamic_ncols=True) as bar:
         stage = Stage(out, args.fresh, bar)
