@@ -62,11 +62,13 @@ def training_runs(synthetic_root, resnet18_pkl, tmp_path_factory):
             process.kill()
 
 
-def test_seeds_report_mean_and_std_and_resume_skips_finished_seeds(training_runs, synthetic_root, resnet18_pkl, tmp_path):
+def test_seeds_report_mean_and_std_and_resume_skips_finished_seeds(training_runs, synthetic_root, resnet18_pkl,
+                                                                    tmp_path):
     # requesting training_runs starts the two background trainings first; this test runs beside them
     def argv(*flags):
         return _cli("tiny_voc0712_R_18_FPN_syncbn.yaml", synthetic_root, tmp_path, resnet18_pkl, "--seeds", "2", *flags,
-                    overrides=["SOLVER.MAX_ITER", "4", "SOLVER.STEPS", "(3,)", "TEST.PRECISE_BN.ENABLED", "False", "SEED", "7"])
+                    overrides=["SOLVER.MAX_ITER", "4", "SOLVER.STEPS", "(3,)", "TEST.PRECISE_BN.ENABLED", "False",
+                               "SEED", "7"])
     metrics = main(argv())
     per_seed = [json.loads((tmp_path / f"seed_{s}" / "metrics.json").read_text()) for s in (7, 8)]
     assert [r["seed"] for r in per_seed] == [7, 8] == metrics["seeds"]
@@ -82,7 +84,8 @@ def test_seeds_report_mean_and_std_and_resume_skips_finished_seeds(training_runs
 
 def test_two_cpu_processes_train_with_naive_sync_bn(training_runs, synthetic_root, resnet18_pkl, tmp_path):
     metrics = main(_cli("tiny_voc0712_R_18_FPN_syncbn.yaml", synthetic_root, tmp_path, resnet18_pkl,
-                        "--num-gpus", "2", "--dist-url", "auto", overrides=["SOLVER.MAX_ITER", "3", "SOLVER.STEPS", "(2,)"]))
+                        "--num-gpus", "2", "--dist-url", "auto",
+                        overrides=["SOLVER.MAX_ITER", "3", "SOLVER.STEPS", "(2,)"]))
     assert metrics["world_size"] == 2 and metrics["iterations"] == 3
     assert any("SyncBN -> naiveSyncBN" in n for n in metrics["notices"])
     assert "AP50" in metrics["results"]["voc_2007_test"]["bbox"]

@@ -189,11 +189,13 @@ def read_weights(path: str) -> dict:
             raise ConfigError(f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read ({_one_line(e)}){extra}; "
                               f"{hint}") from None
         except Exception as e:  # truncated / not a pickle at all
-            raise ConfigError(f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {_one_line(e)}); {hint}") from None
+            raise ConfigError(f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {_one_line(e)}); "
+                              f"{hint}") from None
         if not (isinstance(data, dict) and "model" in data and "__author__" in data) and not (
                 isinstance(data, dict) and ("blobs" in data or all(hasattr(v, "shape") for v in data.values()))):
+            found = sorted(map(str, data))[:5] if isinstance(data, dict) else type(data).__name__
             raise ConfigError(f"MODEL.WEIGHTS {path}: a .pkl needs the keys 'model' and '__author__' "
-                              f"(found {sorted(map(str, data))[:5] if isinstance(data, dict) else type(data).__name__}); {hint}")
+                              f"(found {found}); {hint}")
         model = data.get("model", data.get("blobs", data))
     else:
         try:

@@ -125,10 +125,11 @@ def check_datasets(names, root: str | os.PathLike | None = None, load: bool = Fa
             if name not in DatasetCatalog.list():
                 raise DatasetError(f"dataset {name!r} is not registered; known: {', '.join(sorted(DATASETS))}")
             continue  # registered by the user's own code: theirs to check
-        for path in spec.required(root):
+        required = spec.required(root)
+        for path in required:
             if not path.exists():
-                raise DatasetError(
-                    f"dataset {name}: {path} does not exist (expected {' + '.join(str(p.relative_to(root)) for p in spec.required(root))} "
-                    f"under the data root {root}; set --data-root or DETECTRON2_DATASETS)")
+                layout = " + ".join(str(p.relative_to(root)) for p in required)
+                raise DatasetError(f"dataset {name}: {path} does not exist (expected {layout} under the data "
+                                   f"root {root}; set --data-root or DETECTRON2_DATASETS)")
         if load:
             DatasetCatalog.get(name)

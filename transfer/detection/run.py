@@ -71,7 +71,8 @@ def worker(cfg: CfgNode, notes: list[str], args) -> None:
         log.warning(f"notice: {note}")
     if args.eval_only:
         model = Trainer.build_model(cfg)
-        BackboneCheckingCheckpointer(model, save_dir=cfg.OUTPUT_DIR).resume_or_load(cfg.MODEL.WEIGHTS, resume=args.resume)
+        checkpointer = BackboneCheckingCheckpointer(model, save_dir=cfg.OUTPUT_DIR)
+        checkpointer.resume_or_load(cfg.MODEL.WEIGHTS, resume=args.resume)
         results, iteration = Trainer.test(cfg, model), None
     else:
         trainer = Trainer(cfg)
