@@ -39,37 +39,40 @@ def _heart() -> Polygon:
     return (pts - pts.mean(0)) / 17.0
 
 
-def _crescent() -> Polygon:
-    # Outer unit circle minus a circle centred at (0.4, 0) through the same two tips.
-    tip = math.degrees(math.atan2(math.sin(math.pi / 3), 0.5 - 0.4))
-    r_inner = math.hypot(0.5 - 0.4, math.sin(math.pi / 3))
-    return np.concatenate([_arc(0, 0, 1.0, 60, 300), _arc(0.4, 0, r_inner, 360 - tip, tip)])
+def _crescent(centre: float = 0.55) -> Polygon:
+    # Outer unit circle minus a circle centred at (centre, 0) through the same two tips; the
+    # horns are thick enough (0.68 at the back) to survive 64 px.
+    tip = math.degrees(math.atan2(math.sin(math.pi / 3), 0.5 - centre))
+    r_inner = math.hypot(0.5 - centre, math.sin(math.pi / 3))
+    return np.concatenate([_arc(0, 0, 1.0, 60, 300), _arc(centre, 0, r_inner, 360 - tip, tip)])
 
 
 def _poly(*xy: float) -> Polygon:
     return np.asarray(xy, dtype=float).reshape(-1, 2)
 
 
-# Outline of each class, in unit coordinates. Order matters: dataset class i draws SHAPES[i].
+# Outline of each class, in unit coordinates. Order matters: dataset class i draws SHAPES[i]. The
+# first ten (the ImageNet-like classes) are the most distinct silhouettes, so that a 64 px
+# classifier can tell them apart; look-alikes of theirs (sun, hexagon, tee, ...) come later.
 SHAPES: dict[str, Polygon] = {
     "circle": _regular(40),
     "square": _regular(4, math.pi / 4) / math.sqrt(0.5) * 0.8,
-    "triangle": _regular(3, -math.pi / 2),
-    "star": _regular(10, -math.pi / 2, (1.0, 0.42)),
-    "sun": _regular(16, 0.0, (1.0, 0.62)),
+    "triangle": _regular(3, -math.pi / 2) * 1.1 + np.array([0.0, 0.2]),
+    "star": _regular(10, -math.pi / 2, (1.0, 0.5)),
     "cross": _poly(-0.3, -1, 0.3, -1, 0.3, -0.3, 1, -0.3, 1, 0.3, 0.3, 0.3, 0.3, 1, -0.3, 1,
                    -0.3, 0.3, -1, 0.3, -1, -0.3, -0.3, -0.3),
-    "diamond": _poly(0, -1, 0.55, 0, 0, 1, -0.55, 0),
-    "hexagon": _regular(6),
     "crescent": _crescent(),
     "heart": _heart(),
-    "arrow": _poly(-1, -0.25, 0.2, -0.25, 0.2, -0.65, 1, 0, 0.2, 0.65, 0.2, 0.25, -1, 0.25),
-    "ell": _poly(-0.6, -1, -0.1, -1, -0.1, 0.5, 0.7, 0.5, 0.7, 1, -0.6, 1),
-    "tee": _poly(-1, -1, 1, -1, 1, -0.5, 0.25, -0.5, 0.25, 1, -0.25, 1, -0.25, -0.5, -1, -0.5),
+    "arrow": _poly(-1, -0.28, 0.15, -0.28, 0.15, -0.7, 1, 0, 0.15, 0.7, 0.15, 0.28, -1, 0.28),
+    "ell": _poly(-0.6, -1, -0.05, -1, -0.05, 0.45, 0.7, 0.45, 0.7, 1, -0.6, 1),
+    "bowtie": _poly(-1, -0.8, 0, -0.15, 1, -0.8, 1, 0.8, 0, 0.15, -1, 0.8),
+    "sun": _regular(16, 0.0, (1.0, 0.62)),
+    "diamond": _poly(0, -1, 0.55, 0, 0, 1, -0.55, 0),
+    "hexagon": _regular(6),
+    "tee": _poly(-1, -1, 1, -1, 1, -0.45, 0.28, -0.45, 0.28, 1, -0.28, 1, -0.28, -0.45, -1, -0.45),
     "ellipse": _regular(40) * np.array([1.0, 0.48]),
     "trapezoid": _poly(-1, 0.6, 1, 0.6, 0.45, -0.6, -0.45, -0.6),
     "semicircle": _arc(0, 0.45, 1.0, 180, 360, 28),
-    "bowtie": _poly(-1, -0.8, 0, -0.12, 1, -0.8, 1, 0.8, 0, 0.12, -1, 0.8),
     "chevron": _poly(-1, -0.75, -0.5, -0.75, 0, 0.15, 0.5, -0.75, 1, -0.75, 0, 0.95),
     "house": _poly(-0.7, 1, -0.7, -0.1, 0, -1, 0.7, -0.1, 0.7, 1),
     "bolt": _poly(-0.2, -1, 0.5, -1, 0.1, -0.2, 0.65, -0.2, -0.35, 1, -0.05, 0.1, -0.55, 0.1),
@@ -78,9 +81,15 @@ SHAPE_NAMES = tuple(SHAPES)
 
 
 # ----------------------------------------------------------------------------------- colours
+# Hues of the shared palette: red, orange, yellow, green, teal, blue, purple, pink (each jittered).
+# Every class draws from all of them, so colour says nothing about the class; a few named hues
+# look more like real objects than uniformly random ones.
+PALETTE_HUES = (0.0, 0.08, 0.15, 0.33, 0.48, 0.62, 0.78, 0.9)
+
+
 def random_colour(rng: np.random.Generator, vivid: bool = True) -> np.ndarray:
-    """An RGB colour in [0, 255]; vivid colours for objects, muted ones for backgrounds."""
-    hue = rng.uniform(0, 1)
+    """An RGB colour in [0, 255] near a palette hue; vivid for objects, muted for backgrounds."""
+    hue = (rng.choice(PALETTE_HUES) + rng.uniform(-0.02, 0.02)) % 1.0
     sat = rng.uniform(0.45, 1.0) if vivid else rng.uniform(0.05, 0.45)
     val = rng.uniform(0.35, 1.0) if vivid else rng.uniform(0.3, 0.9)
     i = int(hue * 6) % 6
@@ -95,45 +104,49 @@ def _coords(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def texture(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
-    """An (h, w, 3) float fill: solid, stripes, checker, dots, gradient or speckle."""
-    a, b = random_colour(rng), random_colour(rng)
-    kind = rng.integers(6)
+    """An (h, w, 3) float fill: mostly solid or a gradient, else a mild pattern (stripes, checker,
+    dots or speckle) in two shades of one colour. Patterns stay low-contrast so that the strongest
+    edges of an object are its outline: its class is its silhouette."""
+    a = random_colour(rng)
+    kind = rng.choice(6, p=[0.4, 0.2, 0.1, 0.1, 0.1, 0.1])
     if kind == 0:
         return np.broadcast_to(a, (h, w, 3)).astype(np.float32)
     yy, xx = _coords(h, w)
-    period = rng.uniform(3.0, 9.0)
+    b = a * rng.uniform(0.65, 0.85)  # a darker shade of the same colour
+    period = rng.uniform(4.0, 10.0)
     if kind == 1:
-        angle = rng.uniform(0, math.pi)
-        phase = (xx * math.cos(angle) + yy * math.sin(angle)) / period
-        sel = (np.floor(phase) % 2).astype(bool)
-    elif kind == 2:
-        sel = ((np.floor(xx / period) + np.floor(yy / period)) % 2).astype(bool)
-    elif kind == 3:
-        d = np.hypot((xx % period) - period / 2, (yy % period) - period / 2)
-        sel = d < period * rng.uniform(0.2, 0.4)
-    elif kind == 4:
+        b = random_colour(rng)
         angle = rng.uniform(0, 2 * math.pi)
         ramp = xx * math.cos(angle) + yy * math.sin(angle)
         ramp = (ramp - ramp.min()) / max(float(np.ptp(ramp)), 1.0)
         return (a * (1 - ramp[..., None]) + b * ramp[..., None]).astype(np.float32)
+    if kind == 2:
+        angle = rng.uniform(0, math.pi)
+        phase = (xx * math.cos(angle) + yy * math.sin(angle)) / period
+        sel = (np.floor(phase) % 2).astype(bool)
+    elif kind == 3:
+        sel = ((np.floor(xx / period) + np.floor(yy / period)) % 2).astype(bool)
+    elif kind == 4:
+        d = np.hypot((xx % period) - period / 2, (yy % period) - period / 2)
+        sel = d < period * rng.uniform(0.2, 0.4)
     else:
-        noise = rng.normal(0, rng.uniform(10, 35), (h, w, 1))
+        noise = rng.normal(0, rng.uniform(6, 18), (h, w, 1))
         return np.clip(a + noise, 0, 255).astype(np.float32)
     return np.where(sel[..., None], a, b).astype(np.float32)
 
 
 def background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
-    """Muted two-colour gradient plus low-frequency blotches and sensor noise."""
-    a, b = random_colour(rng, vivid=False), random_colour(rng, vivid=False)
+    """A muted colour under a gentle light falloff, faint low-frequency shading and sensor noise:
+    a plain backdrop (a wall, a studio) whose edges are much weaker than an object's outline."""
+    a = random_colour(rng, vivid=False)
     yy, xx = _coords(h, w)
     angle = rng.uniform(0, 2 * math.pi)
     ramp = xx * math.cos(angle) + yy * math.sin(angle)
     ramp = ((ramp - ramp.min()) / max(float(np.ptp(ramp)), 1.0))[..., None]
-    img = a * (1 - ramp) + b * ramp
-    grid = rng.uniform(-40, 40, (rng.integers(2, 6), rng.integers(2, 6), 3)).astype(np.float32)
-    blotches = np.stack([np.asarray(Image.fromarray(grid[..., c]).resize((w, h), Image.BICUBIC))
-                         for c in range(3)], axis=-1)
-    img = img + blotches + rng.normal(0, 4, (h, w, 1))
+    img = a * (rng.uniform(0.8, 1.0) + rng.uniform(0.0, 0.25) * ramp)
+    grid = rng.uniform(-12, 12, (rng.integers(2, 5), rng.integers(2, 5))).astype(np.float32)
+    shading = np.asarray(Image.fromarray(grid).resize((w, h), Image.BICUBIC))[..., None]
+    img = img + shading + rng.normal(0, 4, (h, w, 1))
     return np.clip(img, 0, 255).astype(np.float32)
 
 
@@ -161,6 +174,9 @@ def _blob(rng: np.random.Generator, cx: float, cy: float, size: float) -> Polygo
     return _regular(n, rng.uniform(0, math.pi), tuple(rng.uniform(0.35, 1.0, n))) * size / 2 + [cx, cy]
 
 
+MIN_CONTRAST = 60.0  # RGB distance between an object's mean colour and the background's under it
+
+
 @dataclass
 class Canvas:
     """An image being drawn, with the owner of each pixel (-1: background or clutter)."""
@@ -177,11 +193,16 @@ class Canvas:
         return self.owner.shape
 
     def paint(self, rng: np.random.Generator, pts: Polygon, owner: int) -> int:
-        """Fill a polygon with a random texture (sometimes outlined); returns its pixel count."""
+        """Fill a polygon with a random texture, outlined sometimes, and always when the fill is
+        close in colour to what it covers (an object must stand out); returns its pixel count."""
         h, w = self.shape
         mask = polygon_mask(pts, h, w)
-        self.pixels[mask] = texture(rng, h, w)[mask]
-        if rng.random() < 0.3:  # a darker rim, inside the outline so boxes stay tight
+        if not mask.any():
+            return 0
+        fill = texture(rng, h, w)[mask]
+        contrast = float(np.linalg.norm(fill.mean(0) - self.pixels[mask].mean(0)))
+        self.pixels[mask] = fill
+        if rng.random() < 0.3 or contrast < MIN_CONTRAST:  # a darker rim, inside the outline: boxes stay tight
             inner = mask
             for _ in range(int(rng.integers(1, 3))):
                 inner = _eroded(inner)

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from transfer.datasets.shapes import SCENE_LAYOUTS, SHAPE_NAMES, SHAPES, Canvas, clip_to_image, place, scene
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # bump whenever the images change, so old outputs are regenerated
 
 VOC_CLASSES = (
     "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -93,7 +93,7 @@ class Preset:
 
 
 PRESETS = {
-    "tiny": Preset((12, 4), (64, 96), 40, 40, 24, 32, 16, (128, 176), (96, 144), (6, 3), 64),
+    "tiny": Preset((40, 10), (64, 96), 40, 40, 24, 32, 16, (128, 176), (96, 144), (6, 3), 64),
     "small": Preset((150, 30), (80, 128), 400, 400, 300, 500, 200, (160, 224), (128, 192), (60, 20), 96),
 }
 
@@ -109,15 +109,16 @@ def _save_jpeg(image, path: Path) -> None:
 
 
 def render_classification(key: tuple[int, ...], cls: int, side: tuple[int, int], path: Path) -> None:
-    """One large object of class `cls`, possibly truncated and partly occluded by clutter."""
+    """One large object of class `cls` near the centre (mostly inside the centre crop that
+    classifiers see), possibly truncated and partly occluded by light clutter."""
     rng = _rng(key)
     h, w = (int(v) for v in rng.integers(side[0], side[1] + 1, 2))
     canvas = Canvas.new(rng, h, w)
-    size = min(h, w) * rng.uniform(0.45, 0.85)
-    cx, cy = rng.uniform(size * 0.35, w - size * 0.35), rng.uniform(size * 0.35, h - size * 0.35)
+    size = min(h, w) * rng.uniform(0.6, 0.9)
+    cx, cy = w / 2 + rng.uniform(-0.2, 0.2) * (w - size), h / 2 + rng.uniform(-0.2, 0.2) * (h - size)
     canvas.paint(rng, place(SHAPES[SHAPE_NAMES[cls]], rng, cx, cy, size), owner=0)
-    canvas.clutter(rng, n_lines=int(rng.integers(0, 4)), n_blobs=int(rng.integers(0, 3)),
-                   blob_size=min(h, w) * 0.25)
+    canvas.clutter(rng, n_lines=int(rng.integers(0, 3)), n_blobs=int(rng.integers(0, 2)),
+                   blob_size=min(h, w) * 0.18)
     _save_jpeg(canvas.image(), path)
 
 
