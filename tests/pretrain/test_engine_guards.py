@@ -34,10 +34,12 @@ def accelerator():
 
 @pytest.fixture()
 def small_copy(synthetic_root, tmp_path) -> Path:
-    """Two classes of the tiny train split (24 images), copied so that a test may corrupt them."""
+    """Two classes of the tiny train split, 12 images each, copied so that a test may corrupt them."""
     train_root = synthetic_root / "imagenet" / "train"
     for cls in sorted(p.name for p in train_root.iterdir())[:2]:
-        shutil.copytree(train_root / cls, tmp_path / "data" / cls)
+        (tmp_path / "data" / cls).mkdir(parents=True)
+        for f in sorted((train_root / cls).iterdir())[:12]:
+            shutil.copy(f, tmp_path / "data" / cls / f.name)
     return tmp_path / "data"
 
 
