@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Per preset: what the transfer stages use (the synthetic images are 64-224 px, so the protocols
 # run at reduced sizes; the preprocessing is recorded in each metrics.json).
 SETTINGS = {
-    "small": {"pretrain": [], "probe_epochs": 10, "detection_iters": 300, "svm": []},
+    "small": {"pretrain": [], "probe_epochs": 10, "detection_iters": 200, "svm": []},
     # A smoke run of every stage (the test suite's): one pretraining epoch, three SVM costs.
     "tiny": {"pretrain": ["train.epochs=1"], "probe_epochs": 2, "detection_iters": 20,
              "svm": ["--costs", "0.1,1,10"]},
