@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .infonce import _fp32, _no_autocast
+from .infonce import _fp32, _no_autocast, reduce_loss
 
 __all__ = ["decoupled_nce", "dclw_weights", "DCLLoss"]
 
@@ -61,13 +61,7 @@ def decoupled_nce(
         pos, neg = _fp32(pos), _fp32(neg)
         positive = pos / temperature if pos_weight is None else _fp32(pos_weight) * pos / temperature
         loss = torch.logsumexp(neg / temperature, dim=1) - positive
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "mean":
-        return loss.mean()
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return reduce_loss(loss, reduction)
 
 
 class DCLLoss(nn.Module):

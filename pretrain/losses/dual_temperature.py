@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .infonce import _fp32, _no_autocast
+from .infonce import _fp32, _no_autocast, reduce_loss
 
 __all__ = ["dual_temperature_weights", "dual_temperature_nce", "DualTemperatureLoss"]
 
@@ -52,13 +52,7 @@ def dual_temperature_nce(pos: torch.Tensor, neg: torch.Tensor, temperature: floa
     with _no_autocast(pos):
         logits = torch.cat([_fp32(pos).unsqueeze(1), _fp32(neg)], dim=1) / temperature
         loss = w * (torch.logsumexp(logits, dim=1) - logits[:, 0])
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "mean":
-        return loss.mean()
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return reduce_loss(loss, reduction)
 
 
 class DualTemperatureLoss(nn.Module):

@@ -40,6 +40,17 @@ def _no_autocast(x: torch.Tensor) -> torch.autocast:
     return torch.autocast(device_type=x.device.type, enabled=False)
 
 
+def reduce_loss(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-anchor losses (N,) reduced as F.cross_entropy does: "mean" | "sum" | "none"."""
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.mean()
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
 def similarities(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in (at least) fp32 with autocast off: (N, d) @ (d, M) -> (N, M) cosines when both
     are normalized (e.g. queries against MoCo's (d, K) queue)."""

@@ -35,7 +35,7 @@ from pretrain.config import ConfigError
 from pretrain.data import build_multicrop_transforms
 from pretrain.diagnostics import contrastive_stats
 from pretrain.losses import AdversarialBank, adversary_gradient, in_batch_similarities, info_nce, similarities
-from pretrain.methods.base import Method
+from pretrain.methods.base import Method, QueryKeyEncoders
 from pretrain.models import build_encoder, momentum_copy, momentum_update
 
 BANK_INITS = ("fill", "random")
@@ -47,7 +47,7 @@ def _embed(encoder, x: torch.Tensor) -> torch.Tensor:
     return F.normalize(z.to(torch.promote_types(z.dtype, torch.float32)), dim=1)
 
 
-class AdCo(Method):
+class AdCo(QueryKeyEncoders, Method):
     defaults = {
         "dim": 128,
         "head": "mlp",
@@ -116,14 +116,6 @@ class AdCo(Method):
         # Columns of W written so far by the filling steps (all of them with bank_init=random).
         self.register_buffer("filled", torch.tensor(0 if m.bank_init == "fill" else m.bank_size))
         self.pending: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None
-
-    @property
-    def backbone(self):
-        return self.encoder_q.backbone
-
-    @property
-    def momentum_backbone(self):
-        return self.encoder_k.backbone
 
     @property
     def filling(self) -> bool:

@@ -65,6 +65,19 @@ class Method(nn.Module):
             self.watched = q
 
 
+class QueryKeyEncoders:
+    """For methods with a query encoder ``encoder_q`` and its momentum copy ``encoder_k``: both
+    backbones are exported (MoCo, SiMo/SimMoCo, AdCo)."""
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.encoder_q.backbone
+
+    @property
+    def momentum_backbone(self) -> nn.Module:
+        return self.encoder_k.backbone
+
+
 # Keys shared by every InfoNCE host; EqCo is `eqco_alpha` (+ `num_negatives` to contrast fewer).
 # `loss` swaps the objective on the same (positive, negatives) similarities: DCL/DCLW remove the
 # positive from the denominator, dual_temperature reweights each anchor (τ_α = temperature).

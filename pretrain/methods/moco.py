@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from pretrain import dist
 from pretrain.config import ConfigError
 from pretrain.losses import similarities
-from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost
+from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost, QueryKeyEncoders
 from pretrain.models import build_encoder, momentum_copy, momentum_update
 
 
-class MoCo(InfoNCEHost):
+class MoCo(QueryKeyEncoders, InfoNCEHost):
     defaults = {
         **INFONCE_DEFAULTS,
         "dim": 128,
@@ -70,14 +70,6 @@ class MoCo(InfoNCEHost):
         self.encoder_k = momentum_copy(self.encoder_q)
         self.register_buffer("queue", F.normalize(torch.randn(m.dim, m.queue_size), dim=0))
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
-
-    @property
-    def backbone(self):
-        return self.encoder_q.backbone
-
-    @property
-    def momentum_backbone(self):
-        return self.encoder_k.backbone
 
     @torch.no_grad()
     def keys(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from pretrain import dist
 from pretrain.losses import in_batch_similarities
-from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost
+from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost, QueryKeyEncoders
 from pretrain.models import build_encoder, momentum_copy, momentum_update
 
 
-class SiMo(InfoNCEHost):
+class SiMo(QueryKeyEncoders, InfoNCEHost):
     defaults = {**INFONCE_DEFAULTS, "eqco_alpha": 256, "dim": 128, "head": "mlp_hidden_bn", "head_out_bn": False,
                 "hidden_dim": None, "momentum": 0.999, "symmetric": False}
     sync_bn = True
@@ -41,14 +41,6 @@ class SiMo(InfoNCEHost):
         self.encoder_q = build_encoder(cfg.model.arch, cfg.model.stem, m.head, m.dim, m.hidden_dim,
                                        out_bn=m.head_out_bn)
         self.encoder_k = momentum_copy(self.encoder_q)
-
-    @property
-    def backbone(self):
-        return self.encoder_q.backbone
-
-    @property
-    def momentum_backbone(self):
-        return self.encoder_k.backbone
 
     def contrast_in_batch(self, x_q: torch.Tensor, x_k: torch.Tensor):
         q = F.normalize(self.encoder_q(x_q).float(), dim=1)
