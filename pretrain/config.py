@@ -27,6 +27,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "root": "datasets/imagenet/train",  # ImageFolder or a flat folder of images
         "augmentation": "mocov2",  # mocov1 | mocov2 | simclr | byol
         "image_size": 224,
+        "min_crop_scale": None,  # lower bound of the crop area; None: the recipe's (MoCo 0.2, SimCLR/BYOL 0.08)
         "num_workers": 8,
         "pin_memory": True,
         "max_bad_fraction": 0.001,  # stop when more than this fraction of images cannot be decoded

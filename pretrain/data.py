@@ -73,10 +73,10 @@ def _aug_plus(size: int, scale: tuple[float, float] = (0.2, 1.0)) -> ViewTransfo
         v2.RandomHorizontalFlip())
 
 
-def _byol(size: int, blur_p: float, solarize_p: float) -> ViewTransform:
+def _byol(size: int, blur_p: float, solarize_p: float, min_scale: float = 0.08) -> ViewTransform:
     """BYOL: crop (bicubic) → flip → jitter(.4,.4,.2,.1) p .8 → gray → blur → solarize."""
     return _view(
-        v2.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=BICUBIC, antialias=True),
+        v2.RandomResizedCrop(size, scale=(min_scale, 1.0), interpolation=BICUBIC, antialias=True),
         v2.RandomHorizontalFlip(),
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
@@ -84,25 +84,33 @@ def _byol(size: int, blur_p: float, solarize_p: float) -> ViewTransform:
         v2.RandomSolarize(threshold=128, p=solarize_p))  # x ≥ 128/255 → 1 − x
 
 
-def build_view_transforms(recipe: str, image_size: int) -> list[ViewTransform]:
-    """Two view transforms; BYOL's two differ (blur, solarize), the other recipes reuse one."""
+def build_view_transforms(recipe: str, image_size: int, min_crop_scale: float | None = None) -> list[ViewTransform]:
+    """Two view transforms; BYOL's two differ (blur, solarize), the other recipes reuse one.
+
+    ``min_crop_scale`` replaces the recipe's lower bound of the crop area (MoCo 0.2, SimCLR and
+    BYOL 0.08); None keeps the paper's.
+    """
     name = _ALIASES.get(recipe, recipe)
+    if min_crop_scale is not None and not 0 < min_crop_scale <= 1:
+        raise ValueError(f"min_crop_scale={min_crop_scale}: expected a fraction of the image area in (0, 1]")
+    moco_scale = (min_crop_scale or 0.2, 1.0)
+    simclr_scale = (min_crop_scale or 0.08, 1.0)
     if name == "mocov1":  # InstDisc: jitter always applied; crop → gray → jitter → flip
-        t = _view(v2.RandomResizedCrop(image_size, scale=(0.2, 1.0), antialias=True),
+        t = _view(v2.RandomResizedCrop(image_size, scale=moco_scale, antialias=True),
                   v2.RandomGrayscale(p=0.2), v2.ColorJitter(0.4, 0.4, 0.4, 0.4),
                   v2.RandomHorizontalFlip())
     elif name == "mocov2":
-        t = _aug_plus(image_size)
+        t = _aug_plus(image_size, moco_scale)
     elif name == "simclr":  # torch port of the TF recipe (strength s = 1)
         t = _view(
-            v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True),
+            v2.RandomResizedCrop(image_size, scale=simclr_scale, antialias=True),
             v2.RandomHorizontalFlip(),
             v2.RandomApply([v2.ColorJitter(0.8, 0.8, 0.8, 0.2)], p=0.8),
             v2.RandomGrayscale(p=0.2),
             v2.RandomApply([v2.GaussianBlur(blur_kernel_size(image_size), sigma=SIGMA)], p=0.5))
     elif name == "byol":
-        return [_byol(image_size, blur_p=1.0, solarize_p=0.0),
-                _byol(image_size, blur_p=0.1, solarize_p=0.2)]
+        return [_byol(image_size, blur_p=1.0, solarize_p=0.0, min_scale=simclr_scale[0]),
+                _byol(image_size, blur_p=0.1, solarize_p=0.2, min_scale=simclr_scale[0])]
     else:
         raise ValueError(f"unknown augmentation recipe {recipe!r}; expected one of "
                          f"{', '.join(RECIPES)} (aliases: {', '.join(_ALIASES)})")
@@ -111,8 +119,10 @@ def build_view_transforms(recipe: str, image_size: int) -> list[ViewTransform]:
 
 def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = None,
                                min_scales: Sequence[float] | None = None,
-                               max_scales: Sequence[float] | None = None) -> list[ViewTransform]:
-    """AdCo: crop 0 is the key (``image_size``, scale .2–1), then one aug+ query crop per size.
+                               max_scales: Sequence[float] | None = None,
+                               key_min_scale: float | None = None) -> list[ViewTransform]:
+    """AdCo: crop 0 is the key (``image_size``, scale .2–1, or ``key_min_scale``–1), then one aug+
+    query crop per size (the query crops keep their own scale ranges).
 
     ``sizes`` are pixels; the default is AdCo's (224, 192, 160, 128, 96) scaled to ``image_size``.
     """
@@ -123,7 +133,7 @@ def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = No
         raise ValueError(f"multi-crop: sizes {list(sizes)}, min_scales {list(min_scales)} and "
                          f"max_scales {list(max_scales)} must have the same length")
     queries = [_aug_plus(s, (lo, hi)) for s, lo, hi in zip(sizes, min_scales, max_scales)]
-    return [_aug_plus(image_size)] + queries
+    return [_aug_plus(image_size, (key_min_scale or 0.2, 1.0))] + queries
 
 
 def eval_transform(image_size: int) -> v2.Compose:

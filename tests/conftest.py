@@ -1,13 +1,19 @@
-"""Shared fixtures: the tiny synthetic datasets, generated once per test session."""
+"""Shared fixtures, built once per test session: the tiny synthetic datasets, and one brief
+pretraining run (with its own initialization saved beside it) that the learning checks share."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from transfer.datasets.synthetic import generate
+from transfer.datasets.synthetic import PRESETS, generate, write_imagenet
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +27,38 @@ def synthetic_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def synthetic_manifest(synthetic_root) -> dict:
     return json.loads((synthetic_root / "manifest.json").read_text())
+
+
+# The brief pretraining: the tiny SimCLR recipe for a few epochs on the small preset's ImageNet
+# layout (1500 train / 300 val images: the tiny preset's 100 val images make kNN too coarse).
+BRIEF_RECIPE = "configs/pretrain/tiny_simclr.yaml"
+BRIEF_EPOCHS = 6
+
+
+@pytest.fixture(scope="session")
+def brief_pretraining(tmp_path_factory) -> dict:
+    """{"init", "pretrained"}: checkpoint_final.pth files of the same run before any step and
+    after BRIEF_EPOCHS epochs; "train_dir"/"val_dir": the ImageFolders; "metrics": the run's rows."""
+    from accelerate.utils import set_seed
+
+    from pretrain.checkpoint import export_final
+    from pretrain.config import load_config
+    from pretrain.methods import METHODS
+
+    data = tmp_path_factory.mktemp("imagenet_small")
+    write_imagenet(data, PRESETS["small"], seed=0, workers=1)
+    out = tmp_path_factory.mktemp("brief_pretraining")
+    overrides = [f"data.root={data / 'train'}", f"train.epochs={BRIEF_EPOCHS}", f"train.output_dir={out}",
+                 f"knn.train_dir={data / 'train'}", f"knn.val_dir={data / 'val'}",
+                 f"knn.every_epochs={BRIEF_EPOCHS}", "train.log_every=20"]
+    subprocess.run([sys.executable, "-m", "pretrain", "--config", BRIEF_RECIPE, *overrides], cwd=REPO,
+                   check=True, capture_output=True,  # pytest waits idle meanwhile: the run may use 2 cores
+                   env={**os.environ, "OMP_NUM_THREADS": str(min(2, os.cpu_count() or 1)),
+                        "OMP_WAIT_POLICY": "PASSIVE"})
+    # The run's starting point: the engine seeds with train.seed and then builds the method.
+    cfg = load_config(REPO / BRIEF_RECIPE, overrides)
+    set_seed(cfg.train.seed)
+    export_final(out / "init" / "checkpoint_final.pth", METHODS[cfg.method.name](cfg, 1), cfg, 0)
+    return {"init": out / "init" / "checkpoint_final.pth", "pretrained": out / "checkpoint_final.pth",
+            "train_dir": data / "train", "val_dir": data / "val",
+            "metrics": [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]}

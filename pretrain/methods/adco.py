@@ -97,7 +97,8 @@ class AdCo(QueryKeyEncoders, Method):
             return super().view_transforms(cfg)
         size = cfg.data.image_size
         sizes = [max(1, round(s * size / 224)) for s in m.query_crops]
-        return build_multicrop_transforms(size, sizes, m.query_crop_min_scales, m.query_crop_max_scales)
+        return build_multicrop_transforms(size, sizes, m.query_crop_min_scales, m.query_crop_max_scales,
+                                          cfg.data.min_crop_scale)
 
     def __init__(self, cfg, num_processes: int) -> None:
         super().__init__()

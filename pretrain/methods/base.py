@@ -46,7 +46,7 @@ class Method(nn.Module):
 
     @classmethod
     def view_transforms(cls, cfg) -> list[Callable]:
-        return build_view_transforms(cfg.data.augmentation, cfg.data.image_size)
+        return build_view_transforms(cfg.data.augmentation, cfg.data.image_size, cfg.data.min_crop_scale)
 
     def after_step(self) -> None:
         """Called by the engine right after ``optimizer.step()`` (outside autocast)."""

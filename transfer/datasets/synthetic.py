@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from transfer.datasets.shapes import SCENE_LAYOUTS, SHAPE_NAMES, SHAPES, Canvas, clip_to_image, place, scene
 
-FORMAT_VERSION = 2  # bump whenever the images change, so old outputs are regenerated
+FORMAT_VERSION = 3  # bump whenever the images change, so old outputs are regenerated
 
 VOC_CLASSES = (
     "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
