@@ -149,6 +149,10 @@ def validate(cfg: DictConfig, num_processes: int) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected a positive integer")
     if not 0 <= cfg.optim.final_lr <= cfg.optim.lr:
         raise ConfigError(f"optim.final_lr={cfg.optim.final_lr}: expected a number in [0, optim.lr={cfg.optim.lr}]")
+    scale = cfg.data.min_crop_scale
+    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale <= 1):
+        raise ConfigError(f"data.min_crop_scale={scale!r}: expected null (the recipe's) or a fraction of the "
+                          "image area in (0, 1]")
     if cfg.train.max_steps is not None and cfg.train.max_steps <= 0:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps}: expected a positive integer or null")
     METHODS[cfg.method.name].check(cfg, num_processes)

@@ -73,6 +73,18 @@ def test_recipe_parameters_match_methods_md(recipe):
     assert all(tail_is_float_normalize(t) for t in views)
 
 
+@pytest.mark.parametrize("recipe", sorted(EXPECTED))
+def test_min_crop_scale_replaces_only_the_crop_floor(recipe):
+    views = build_view_transforms(recipe, 224, min_crop_scale=0.5)
+    expected = [[("crop", d[1], (0.5, 1.0), d[3]) if d[0] == "crop" else d for d in view]
+                for view in EXPECTED[recipe]]
+    assert [describe(t) for t in views] == expected
+    key = describe(build_multicrop_transforms(224, key_min_scale=0.5)[0])[0]
+    assert key[2] == (0.5, 1.0)
+    with pytest.raises(ValueError, match="min_crop_scale"):
+        build_view_transforms(recipe, 224, min_crop_scale=1.5)
+
+
 @pytest.mark.parametrize("side", [32, 64, 96, 160, 224])
 def test_blur_kernel_is_odd_and_about_ten_percent(side):
     (blur,) = [d for d in describe(build_view_transforms("simclr", side)[0]) if d[0] == "blur"]

@@ -66,6 +66,8 @@ def test_every_paper_recipe_and_its_tiny_version_resolve():
     (["data.augmentation=randaug"], "data.augmentation='randaug': expected one of"),
     (["model.arch=vgg16"], "model.arch='vgg16'"),
     (["train.batch_size"], "expected key=value"),
+    (["data.min_crop_scale=0"], "data.min_crop_scale=0: expected null"),
+    (["data.min_crop_scale=1.5"], "data.min_crop_scale=1.5: expected null"),
 ])
 def test_bad_configs_fail_with_one_clear_line(overrides, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(".", r"\.")):
