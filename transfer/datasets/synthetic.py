@@ -11,7 +11,8 @@ writes, under DIR:
   (the 80 COCO categories with their real non-contiguous ids; objects use 20 of them)
 * ``places205/trainvalsplit_places205/{train,val}_places205.csv`` and images under
   ``places205/data/vision/torralba/deeplearning/images256/``
-* ``manifest.json``: what was written (counts, classes, per-image VOC objects), written last.
+* ``manifest.json``: what was written (counts, classes, per-image VOC objects, the COCO annotations
+  of objects nothing hides), written last.
 
 Detection class i (VOC order, and its COCO counterpart) is drawn as ``SHAPES[i]``; ImageNet class i
 is the same shape, so pretraining on ``imagenet`` transfers to the detection sets as it should.
@@ -162,6 +163,7 @@ def render_detection(key: tuple[int, ...], first_class: int, width: tuple[int, i
             "truncated": int(bool((pts < 0).any() or (pts[:, 0] > w - 1).any()
                                   or (pts[:, 1] > h - 1).any())),
             "polygon": [round(float(v), 3) for v in clipped.reshape(-1)],
+            "fully_visible": len(xs) == painted,
         })
     return {"width": w, "height": h, "objects": objects}
 
@@ -277,7 +279,7 @@ def write_coco(root: Path, preset: Preset, seed: int, workers: int) -> dict:
         jobs = [(render_detection, ((seed, 2017, split_id, i), i % len(VOC_CLASSES), preset.detection_width,
                                     preset.detection_height, root / split / f"{image_id:012d}.jpg"))
                 for i, image_id in enumerate(image_ids)]
-        images, annotations = [], []
+        images, annotations, fully_visible = [], [], []
         for image_id, ann in zip(image_ids, _render_all(jobs, f"coco/{split}", workers)):
             images.append({"id": image_id, "file_name": f"{image_id:012d}.jpg",
                            "height": ann["height"], "width": ann["width"]})
@@ -289,6 +291,8 @@ def write_coco(root: Path, preset: Preset, seed: int, workers: int) -> dict:
                     "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)],
                     "area": float(obj["area"]), "iscrowd": 0, "segmentation": [obj["polygon"]],
                 })
+                if obj["fully_visible"]:
+                    fully_visible.append(annotations[-1]["id"])
         dataset = {"info": {"description": "synthetic shapes in the COCO 2017 layout", "version": "1.0"},
                    "licenses": [], "images": images, "annotations": annotations, "categories": categories}
         (root / "annotations").mkdir(parents=True, exist_ok=True)
@@ -297,7 +301,8 @@ def write_coco(root: Path, preset: Preset, seed: int, workers: int) -> dict:
         for a in annotations:
             per_category[a["category_id"]] = per_category.get(a["category_id"], 0) + 1
         summary[split] = {"images": len(images), "annotations": len(annotations),
-                          "per_category": {str(k): v for k, v in sorted(per_category.items())}}
+                          "per_category": {str(k): v for k, v in sorted(per_category.items())},
+                          "fully_visible_annotation_ids": fully_visible}
     return summary
 
 
