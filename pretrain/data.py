@@ -73,10 +73,10 @@ def _aug_plus(size: int, scale: tuple[float, float] = (0.2, 1.0)) -> ViewTransfo
         v2.RandomHorizontalFlip())
 
 
-def _byol(size: int, blur_p: float, solarize_p: float, min_scale: float = 0.08) -> ViewTransform:
+def _byol(size: int, blur_p: float, solarize_p: float, scale: tuple[float, float] = (0.08, 1.0)) -> ViewTransform:
     """BYOL: crop (bicubic) → flip → jitter(.4,.4,.2,.1) p .8 → gray → blur → solarize."""
     return _view(
-        v2.RandomResizedCrop(size, scale=(min_scale, 1.0), interpolation=BICUBIC, antialias=True),
+        v2.RandomResizedCrop(size, scale=scale, interpolation=BICUBIC, antialias=True),
         v2.RandomHorizontalFlip(),
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
@@ -109,8 +109,8 @@ def build_view_transforms(recipe: str, image_size: int, min_crop_scale: float | 
             v2.RandomGrayscale(p=0.2),
             v2.RandomApply([v2.GaussianBlur(blur_kernel_size(image_size), sigma=SIGMA)], p=0.5))
     elif name == "byol":
-        return [_byol(image_size, blur_p=1.0, solarize_p=0.0, min_scale=simclr_scale[0]),
-                _byol(image_size, blur_p=0.1, solarize_p=0.2, min_scale=simclr_scale[0])]
+        return [_byol(image_size, blur_p=1.0, solarize_p=0.0, scale=simclr_scale),
+                _byol(image_size, blur_p=0.1, solarize_p=0.2, scale=simclr_scale)]
     else:
         raise ValueError(f"unknown augmentation recipe {recipe!r}; expected one of "
                          f"{', '.join(RECIPES)} (aliases: {', '.join(_ALIASES)})")
