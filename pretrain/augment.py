@@ -9,7 +9,8 @@ and runs it in two stages:
    torchvision on uint8, and one vector of uniforms ``u`` that fixes every photometric draw.
    Both come from the global torch RNG, which the dataset seeds per ``(seed, epoch, index)``.
 2. ``finish(crops, u)``, per batch: uint8 → float32 in [0, 1], the photometric ops in recipe
-   order with the per-sample parameters decoded from ``u``, then Normalize. Every op treats the
+   order with the per-sample parameters decoded from ``u`` (ColorJitter on CPU tensors by the
+   fused kernel of ``pretrain/jitter_cpu.py``, same arithmetic), then Normalize. Every op treats the
    samples independently (elementwise, per-image mean, depthwise convolution), so a sample's
    output does not depend on which other samples share its batch. Works on CPU and CUDA.
 
@@ -146,6 +147,17 @@ class ColorJitterStage:
         return out
 
     def apply(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        if x.device.type == "cpu":  # one fused pass per op and image (pretrain/jitter_cpu.py)
+            from pretrain.jitter_cpu import color_jitter_
+
+            factors = torch.stack([params[name] if bounds is not None else torch.zeros(len(x))
+                                   for name, bounds, _ in self.components], dim=1)
+            enabled = tuple(bounds is not None for _, bounds, _ in self.components)
+            return color_jitter_(x.contiguous(), params["apply"], params["order"], factors, enabled)
+        return self.apply_per_op(x, params)
+
+    def apply_per_op(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The torch path (CUDA): each op on the samples that take it at each of the four steps."""
         for step in range(4):
             for fn_id, (name, bounds, op) in enumerate(self.components):
                 if bounds is not None:
@@ -257,7 +269,7 @@ class ViewTransform:
             x = x.clone()
         for stage, params in zip(self.stages, self.params(u.to(x.device))):
             x = stage.apply(x, params)
-        return self.normalize(x)
+        return TF.normalize(x, self.normalize.mean, self.normalize.std, inplace=True)  # x is ours
 
     def __call__(self, image: Any) -> torch.Tensor:
         crop, u = self.sample(image)

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--aug-sizes", default="64,224", help="augmentation benchmark output sizes")
-    parser.add_argument("--aug-images", type=int, default=64)
+    parser.add_argument("--aug-images", type=int, default=256)
     parser.add_argument("--out", default="benchmarks/pretrain.md")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: one recipe, JSON out
     args = parser.parse_args(argv)

@@ -231,9 +231,20 @@ class ImageDataset(Dataset):
         return self.__getitems__([index])[0]
 
 
+def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """torch.stack, without its copy when the rows are already the rows of one batch tensor, in
+    order: what ImageDataset.__getitems__ hands over (the unbound output of a batched finish)."""
+    base = rows[0]._base
+    if base is not None and base.is_contiguous() and base.shape[0] == len(rows):
+        step = base.stride(0) * base.element_size()
+        if all(r._base is base and r.shape == base.shape[1:] and r.data_ptr() == base.data_ptr() + i * step for i, r in enumerate(rows)):
+            return base
+    return torch.stack(rows)
+
+
 def collate(batch) -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:
     """[(views, label, bad)] → (one B×C×H×W tensor per view, labels (B,), all bad paths)."""
-    views = [torch.stack(v) for v in zip(*(item[0] for item in batch))]
+    views = [_stack(v) for v in zip(*(item[0] for item in batch))]
     labels = torch.tensor([item[1] for item in batch], dtype=torch.int64)
     return views, labels, [p for item in batch for p in item[2]]
 

@@ -86,7 +86,8 @@ def test_grayscale_and_solarize_stages_apply_torchvision_to_the_chosen_samples()
     assert (ref != u8).any() and (ref == u8).any()  # some pixels above, some below the threshold
 
 
-def test_color_jitter_stage_applies_the_four_ops_in_each_samples_order():
+@pytest.mark.parametrize("path", ["apply", "apply_per_op"])  # CPU kernel (pretrain/jitter_cpu.py), torch ops
+def test_color_jitter_stage_applies_the_four_ops_in_each_samples_order(path):
     x = images(b=8)
     stage = A.ColorJitterStage(v2.ColorJitter(0.8, 0.8, 0.8, 0.2), p=0.8)
     perms = list(itertools.permutations(range(4)))
@@ -106,11 +107,30 @@ def test_color_jitter_stage_applies_the_four_ops_in_each_samples_order():
                 fn, name = fns[fn_id]
                 y = fn(y, float(params[name][i]))
         ref.append(y)
-    got = stage.apply(x.clone(), params)
+    apply = getattr(stage, path)
+    got = apply(x.clone(), params)
     torch.testing.assert_close(got, torch.stack(ref), atol=ATOL, rtol=0)
     # The order matters for these factors, so the check above did test it.
     reversed_order = dict(params, order=params["order"].flip(1))
-    assert (stage.apply(x.clone(), reversed_order)[:7] - got[:7]).abs().amax() > 0.05
+    assert (apply(x.clone(), reversed_order)[:7] - got[:7]).abs().amax() > 0.05
+
+
+@pytest.mark.parametrize("jitter", [(0.4, 0.4, 0.4, 0.4), (0.8, 0.8, 0.8, 0.2), (0.4, 0.0, 0.4, 0.0), (0, 0, 0, 0.5)])
+def test_cpu_jitter_kernel_equals_the_torch_path_for_every_order(jitter):
+    """The fused kernel against the per-op torch path on all 24 orders, drawn factors (hue shifts up
+    to half a turn either way), disabled components (range 0: torchvision skips them) and skipped
+    samples; the kernel writes in place."""
+    x = images(b=48, h=9, w=11, seed=3)
+    stage = A.ColorJitterStage(v2.ColorJitter(*jitter), p=0.9)
+    params = stage.params(torch.rand(48, stage.n_uniforms, generator=torch.Generator().manual_seed(1)))
+    params["order"] = torch.tensor(list(itertools.permutations(range(4))) * 2)
+    assert (~params["apply"]).any() and params["apply"].any()
+    expected = stage.apply_per_op(x.clone(), params)
+    y = x.clone()
+    got = stage.apply(y, params)
+    assert got.data_ptr() == y.data_ptr()
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[~params["apply"]], x[~params["apply"]], atol=0, rtol=0)
 
 
 # Recipe values written from docs/methods.md §1.1 (jitter strengths, probabilities, σ range).

@@ -224,6 +224,21 @@ def test_collate_stacks_views_and_concatenates_bad_paths():
     assert bad == ["x.jpg", "y.jpg", "z.jpg"]
 
 
+def test_collate_takes_the_batch_finish_produced_without_copying_and_stacks_anything_else(train_root):
+    ds = ImageDataset(train_root, build_view_transforms("mocov2", 16), seed=0)
+    items = ds.__getitems__([3, 1, 4])
+    views, _, _ = collate(items)
+    for j, v in enumerate(views):
+        assert v.data_ptr() == items[0][0][j].data_ptr()  # the batch itself, not a copy
+        assert torch.equal(v, torch.stack([item[0][j] for item in items]))
+    # Rows of one batch in another order, or a subset, are stacked (copied) as given.
+    shuffled = [items[2], items[0], items[1]]
+    views, _, _ = collate(shuffled)
+    assert views[0].data_ptr() != items[0][0][0].data_ptr()
+    assert torch.equal(views[0], torch.stack([item[0][0] for item in shuffled]))
+    assert torch.equal(collate(items[:2])[0][0], torch.stack([items[0][0][0], items[1][0][0]]))
+
+
 def test_corrupt_files_are_reported_and_replaced(small_copy):
     files = sorted(small_copy.rglob("*.JPEG"))
     garbage, truncated = files[4], files[15]
