@@ -237,7 +237,8 @@ def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     base = rows[0]._base
     if base is not None and base.is_contiguous() and base.shape[0] == len(rows):
         step = base.stride(0) * base.element_size()
-        if all(r._base is base and r.shape == base.shape[1:] and r.data_ptr() == base.data_ptr() + i * step for i, r in enumerate(rows)):
+        if all(r._base is base and r.shape == base.shape[1:] and r.data_ptr() == base.data_ptr() + i * step
+               for i, r in enumerate(rows)):
             return base
     return torch.stack(rows)
 
