@@ -137,6 +137,7 @@ class ColorJitterStage:
                            (("brightness", adjust_brightness), ("contrast", adjust_contrast),
                             ("saturation", adjust_saturation), ("hue", adjust_hue))]
         self.n_uniforms = 1 + 4 + 4  # applied?, four factors, four sort keys for the order
+        self.enabled = tuple(bounds is not None for _, bounds, _ in self.components)
 
     def params(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {"apply": u[:, 0] < self.p, "order": u[:, 5:9].argsort(dim=1)}  # a uniform permutation
@@ -150,10 +151,9 @@ class ColorJitterStage:
         if x.device.type == "cpu":  # one fused pass per op and image (pretrain/jitter_cpu.py)
             from pretrain.jitter_cpu import color_jitter_
 
-            factors = torch.stack([params[name] if bounds is not None else torch.zeros(len(x))
-                                   for name, bounds, _ in self.components], dim=1)
-            enabled = tuple(bounds is not None for _, bounds, _ in self.components)
-            return color_jitter_(x.contiguous(), params["apply"], params["order"], factors, enabled)
+            factors = torch.stack([params[name] if on else torch.zeros(len(x))
+                                   for (name, _, _), on in zip(self.components, self.enabled)], dim=1)
+            return color_jitter_(x.contiguous(), params["apply"], params["order"], factors, self.enabled)
         return self.apply_per_op(x, params)
 
     def apply_per_op(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
