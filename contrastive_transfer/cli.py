@@ -1,0 +1,155 @@
+"""How every command of the project fails, claims its output directory and writes its files.
+
+- ``UserError``: an expected failure (bad input, a path that cannot be used, a run that diverged).
+  ``@command`` turns it, and any ``OSError`` (missing file, permission, full disk: the environment,
+  not a bug), into one line ``error: ...`` and exit code 1. ``--debug`` (or ``CT_DEBUG=1``) shows
+  the traceback instead. Anything else is a bug and keeps its traceback.
+- ``ensure_writable_dir`` proves an output location usable before any work starts.
+- ``OutputLock`` makes a run the only one writing into its output directory.
+- ``atomic_write`` writes through a temporary file beside the target, so a crash never leaves a
+  torn file; ``remove_stale_temporaries`` clears what killed writers left behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["UserError", "command", "ensure_writable_dir", "OutputLock", "atomic_write",
+           "remove_stale_temporaries", "DEBUG_HELP"]
+
+DEBUG_HELP = "--debug (or CT_DEBUG=1) shows the traceback of an error instead of its one-line summary"
+_TMP_MARK = ".tmp"
+
+
+class UserError(Exception):
+    """An expected failure, reported as one line: what happened, where, what to do."""
+
+
+def describe(error: BaseException) -> str:
+    """One line for an expected failure; an OSError names its path and the system's reason."""
+    if isinstance(error, OSError) and not isinstance(error, UserError):
+        where = f" {error.filename}" if error.filename else ""
+        reason = error.strerror or str(error)
+        hint = {PermissionError: "fix its permissions or choose another path",
+                FileNotFoundError: "check the path"}.get(type(error), "check the path and the disk")
+        return f"{reason}:{where}; {hint}"
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def command(main: Callable[..., object]) -> Callable[..., object]:
+    """Wrap a CLI's ``main(argv)``: expected failures end as ``SystemExit("error: ...")`` (stderr, exit 1)."""
+
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None):
+        argv = list(sys.argv[1:] if argv is None else argv)
+        debug = os.environ.get("CT_DEBUG", "") not in ("", "0")
+        if "--debug" in argv:
+            argv.remove("--debug")
+            debug = True
+        try:
+            return main(argv)
+        except (UserError, OSError) as e:
+            if debug:
+                raise
+            raise SystemExit(f"error: {describe(e)}") from None
+
+    return wrapper
+
+
+def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
+    """Create ``path`` if needed and write a probe file there; ``what`` names the option (e.g. "--out")."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        raise UserError(f"{what} {path} is not a writable directory ({e.strerror or e}); "
+                        "choose another location or fix its permissions") from None
+    return path
+
+
+class OutputLock:
+    """An exclusive claim on a directory for the duration of a run.
+
+    ``flock`` on ``DIR/.lock``: the kernel drops the lock when its holder exits or is killed, so a
+    crashed run never blocks the next one, and no pid-liveness guesswork is needed. The file keeps
+    the holder's pid, host and start time so the refusal can name them.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, directory: str | os.PathLike, what: str = "output directory"):
+        self.directory, self.what, self._fd = Path(directory), what, None
+
+    def acquire(self) -> "OutputLock":
+        import fcntl  # POSIX only; imported here so that the module imports everywhere
+
+        ensure_writable_dir(self.directory, self.what)
+        fd = os.open(self.directory / self.NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown holder"
+            os.close(fd)
+            raise UserError(f"{self.what} {self.directory} is in use by another run ({holder}); wait for it "
+                            "to finish or choose another directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        # The file stays: unlinking it would let a waiting process lock a file nobody else sees.
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _temporary_for(path: Path) -> Path:
+    return path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` into a temporary file beside ``path``, flush it to disk, then rename it over
+    ``path``. On any failure the temporary file is removed and an existing ``path`` is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_for(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files of ``atomic_write`` that a killed writer left in ``directory``.
+
+    Call it while holding the directory's ``OutputLock``: then no other writer can be alive there,
+    and every temporary file that is not this process's own is a leftover."""
+    directory = Path(directory)
+    removed = []
+    for tmp in directory.glob(f".*{_TMP_MARK}*"):
+        pid = tmp.name.rsplit(_TMP_MARK, 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed

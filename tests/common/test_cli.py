@@ -1,0 +1,94 @@
+"""contrastive_transfer.cli: one-line failures, writability probes, the run lock, atomic writes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from contrastive_transfer.cli import (OutputLock, UserError, atomic_write, command, ensure_writable_dir,
+                                      remove_stale_temporaries)
+
+
+def test_command_turns_expected_failures_into_one_line_and_keeps_bugs():
+    @command
+    def fails_with(argv):
+        raise argv.pop(0)
+
+    with pytest.raises(SystemExit) as e:
+        fails_with([UserError("bad value\n  of --x")])
+    assert e.value.code == "error: bad value of --x"
+
+    with pytest.raises(SystemExit) as e:
+        fails_with([PermissionError(13, "Permission denied", "/data/out")])
+    assert e.value.code == "error: Permission denied: /data/out; fix its permissions or choose another path"
+
+    with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback
+        fails_with([ZeroDivisionError("bug")])
+    with pytest.raises(UserError):  # --debug shows the traceback of an expected failure too
+        fails_with([UserError("x"), "--debug"])
+
+
+def test_unwritable_location_is_named(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match=rf"--out {blocker}/sub is not a writable directory"):
+        ensure_writable_dir(blocker / "sub", "--out")
+    assert ensure_writable_dir(tmp_path / "new" / "dir", "--out").is_dir()
+    assert list((tmp_path / "new" / "dir").iterdir()) == []  # the probe file is gone
+
+
+_HOLD = textwrap.dedent("""
+    import sys, time
+    from contrastive_transfer.cli import OutputLock
+    OutputLock(sys.argv[1]).acquire()
+    print("locked", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_second_run_is_refused_naming_the_holder_and_a_killed_holder_does_not_block(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError, match=rf"in use by another run \(pid {holder.pid} on "):
+            OutputLock(tmp_path).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with OutputLock(tmp_path):  # the kernel released the dead holder's lock
+        with pytest.raises(UserError):  # and the lock is exclusive within one process too
+            OutputLock(tmp_path).acquire()
+    with OutputLock(tmp_path):
+        pass
+
+
+def test_atomic_write_leaves_no_partial_file_and_stale_temporaries_are_removed(tmp_path):
+    target = tmp_path / "checkpoint.pth"
+    target.write_text("good")
+
+    def crash(tmp):
+        tmp.write_text("half")
+        raise OSError(28, "No space left on device", str(tmp))
+
+    with pytest.raises(OSError):
+        atomic_write(target, crash)
+    assert target.read_text() == "good" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pth"]
+
+    atomic_write(target, lambda tmp: tmp.write_text("new"))
+    assert target.read_text() == "new"
+
+    dead = tmp_path / ".checkpoint.pth.tmp999999"
+    ours = tmp_path / f".checkpoint.pth.tmp{os.getpid()}"
+    unrelated = tmp_path / ".notes.tmpx"
+    for f in (dead, ours, unrelated):
+        f.write_text("")
+    assert remove_stale_temporaries(tmp_path) == [dead]
+    assert not dead.exists() and ours.exists() and unrelated.exists()
