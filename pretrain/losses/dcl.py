@@ -16,8 +16,15 @@ DCLW weights the positive term by a von Mises–Fisher weighting over the batch 
 
 Easy positives (large s₀) get less weight, hard ones more; w can be negative when one pair
 dominates (softmax > 2/N). The weights are computed from detached similarities by default
-(lightly's choice, PR #793; the paper is silent and raminnakhli's port does not detach), over
-the anchors this process holds.
+(lightly's choice, PR #793; the paper is silent and raminnakhli's port does not detach).
+
+The softmax runs over the anchors of the **global** batch: the positives are gathered across
+processes first, so W processes with N anchors each give the weights, loss and gradients of one
+process with the W·N anchors (a softmax over the local batch would make them depend on the
+process count). lightly's
+DCLWLoss computes the weights over each process's local batch, even with
+``gather_distributed=True`` (only the negatives are gathered); ``per_process=True`` reproduces
+that form.
 
 Inputs are cosines; logits are computed in (at least) fp32 with autocast off, like ``info_nce``.
 """
@@ -27,20 +34,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pretrain import dist
+
 from .infonce import _fp32, _no_autocast, reduce_loss
 
 __all__ = ["decoupled_nce", "dclw_weights", "DCLLoss"]
 
 
-def dclw_weights(pos: torch.Tensor, sigma: float = 0.5, detach: bool = True) -> torch.Tensor:
-    """w = 2 − N·softmax(pos/σ) over the N anchors (dim 0); mean 1. pos: (N,) positive cosines.
+def dclw_weights(pos: torch.Tensor, sigma: float = 0.5, detach: bool = True,
+                 per_process: bool = False) -> torch.Tensor:
+    """w = 2 − M·softmax(pos/σ) over the M anchors of all processes; returns this process's (N,).
+
+    pos: (N,) positive cosines of the local anchors, the same N on every process. The weights
+    have mean 1 over the global batch (not over each process's slice). ``per_process=True``:
+    softmax over the local N anchors only (lightly's form; depends on the process count).
 
     Duplicated anchors (SimCLR's [z1; z2] rows share their positive) give the same weights as
-    the N distinct pairs: 2 − 2N·e_i/(2Σe) = 2 − N·e_i/Σe.
+    the distinct pairs: 2 − 2M·e_i/(2Σe) = 2 − M·e_i/Σe.
     """
     with _no_autocast(pos):
         pos = _fp32(pos.detach() if detach else pos)
-        return 2.0 - pos.shape[0] * torch.softmax(pos / sigma, dim=0)
+        if per_process:
+            return 2.0 - pos.shape[0] * torch.softmax(pos / sigma, dim=0)
+        # With undetached weights every rank's loss depends on every rank's positives: the
+        # differentiable gather sums those gradients back (see dist.gather_with_grad).
+        pos_all = dist.gather_no_grad(pos) if detach else dist.gather_with_grad(pos)
+        w_all = 2.0 - pos_all.shape[0] * torch.softmax(pos_all / sigma, dim=0)
+        return w_all.narrow(0, dist.rank_offset(pos.shape[0]), pos.shape[0])
 
 
 def decoupled_nce(
@@ -65,17 +85,24 @@ def decoupled_nce(
 
 
 class DCLLoss(nn.Module):
-    """DCL (``weight_sigma=None``) or DCLW (weights with σ = ``weight_sigma``) on (pos (N,), neg (N, K))."""
+    """DCL (``weight_sigma=None``) or DCLW (weights with σ = ``weight_sigma``) on (pos (N,), neg (N, K)).
 
-    def __init__(self, temperature: float, weight_sigma: float | None = None, detach_weights: bool = True) -> None:
+    DCLW's weights are over the global batch unless ``per_process_weights`` (see :func:`dclw_weights`).
+    """
+
+    def __init__(self, temperature: float, weight_sigma: float | None = None, detach_weights: bool = True,
+                 per_process_weights: bool = False) -> None:
         super().__init__()
         self.temperature = temperature
         self.weight_sigma = weight_sigma
         self.detach_weights = detach_weights
+        self.per_process_weights = per_process_weights
 
     def forward(self, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight_sigma is None else dclw_weights(pos, self.weight_sigma, self.detach_weights)
+        w = None if self.weight_sigma is None else dclw_weights(pos, self.weight_sigma, self.detach_weights,
+                                                                 self.per_process_weights)
         return decoupled_nce(pos, neg, self.temperature, w)
 
     def extra_repr(self) -> str:
-        return f"temperature={self.temperature}, weight_sigma={self.weight_sigma}, detach_weights={self.detach_weights}"
+        return (f"temperature={self.temperature}, weight_sigma={self.weight_sigma}, "
+                f"detach_weights={self.detach_weights}, per_process_weights={self.per_process_weights}")

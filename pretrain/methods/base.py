@@ -89,6 +89,7 @@ INFONCE_DEFAULTS: dict[str, Any] = {
     "negative_sampling": "per_query",  # per_query | per_batch
     "dclw_sigma": 0.5,  # DCLW: w = 2 − N·softmax(⟨z1,z2⟩/σ) over the batch
     "dclw_detach": True,  # DCLW weights from detached similarities (lightly); False: they carry gradient
+    "dclw_per_process": False,  # DCLW softmax over each process's anchors (lightly's form); default: global batch
     "inter_temperature": 1.0,  # dual_temperature: τ_β
 }
 
@@ -96,7 +97,8 @@ INFONCE_DEFAULTS: dict[str, Any] = {
 LOSSES: dict[str, Callable[[Any], nn.Module | None]] = {
     "infonce": lambda m: None,
     "dcl": lambda m: DCLLoss(m.temperature),
-    "dclw": lambda m: DCLLoss(m.temperature, weight_sigma=m.dclw_sigma, detach_weights=m.dclw_detach),
+    "dclw": lambda m: DCLLoss(m.temperature, weight_sigma=m.dclw_sigma, detach_weights=m.dclw_detach,
+                              per_process_weights=m.dclw_per_process),
     "dual_temperature": lambda m: DualTemperatureLoss(m.temperature, m.inter_temperature),
 }
 

@@ -1,24 +1,18 @@
 """AdCo: the hand-written adversary update against autograd (projection term included) and torch's
-SGD, for the single, symmetric and multi-crop variants; the filling initialization; identical banks
-on 2 gloo processes that equal a 1-process run on the whole batch; exact resume of the bank."""
+SGD, for the single, symmetric and multi-crop variants; the filling initialization; exact resume
+of the bank. On 2 processes (identical banks that equal a 1-process run on the whole batch, for the
+three variants): tests/pretrain/test_multiprocess.py."""
 
 from __future__ import annotations
 
 import copy
-import datetime
 import json
-import os
-import socket
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from pretrain import dist
 from pretrain.config import ConfigError, load_config
 from pretrain.losses import adversary_gradient
 from pretrain.methods import METHODS
@@ -174,7 +168,7 @@ def test_bad_adco_configs_fail_with_one_clear_line(overrides, expected):
 # ----------------------------------------------------------------------------- exact resume
 def test_resume_reproduces_the_bank_and_its_momentum_exactly(synthetic_root, tmp_path):
     """K = B: step 1 fills, steps 2-4 are adversarial; 2 steps + resume + 2 steps = 4 steps."""
-    from accelerate import Accelerator  # here: the 2-process workers import this module, keep it light
+    from accelerate import Accelerator
 
     from pretrain.engine import train
 
@@ -196,60 +190,3 @@ def test_resume_reproduces_the_bank_and_its_momentum_exactly(synthetic_root, tmp
         assert torch.equal(value, resumed[key]), key
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
-
-
-# ----------------------------------------------------------------------------- 2 processes
-WORLD, N = 2, 3
-
-
-def _two_process_step(r: int, out_dir: str) -> None:
-    """Each rank: its slice of the batch, one forward and one adversary update (BN frozen, so that
-    the keys and queries equal the 1-process ones); save what rank 0 needs to compare."""
-    cfg, method = _method("tiny_adco", "method.bank_init=random", "method.bank_size=10", batch=WORLD * N,
-                          num_processes=WORLD)
-    method.eval()
-    views = [v[r * N:(r + 1) * N] for v in _views(2, WORLD * N, seed=3)]
-    loss = method(views)["loss"].detach()
-    method.after_step()
-    equal = [dist.all_ranks_equal(method.bank.weight), dist.all_ranks_equal(method.bank.momentum_buffer)]
-    torch_dist.all_reduce(loss)
-    if r == 0:
-        torch.save({"equal": equal, "loss": loss / WORLD, "bank": method.bank.weight,
-                    "momentum": method.bank.momentum_buffer}, os.path.join(out_dir, "adco.pt"))
-
-
-def _worker(r: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=WORLD,
-                                  timeout=datetime.timedelta(seconds=60))
-    error = None
-    try:
-        _two_process_step(r, out_dir)
-    except Exception:
-        error = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{r}.json"), "w") as f:
-            json.dump(error, f)
-        torch_dist.destroy_process_group()
-
-
-def test_two_processes_hold_identical_banks_equal_to_one_process(tmp_path):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
-    errors = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    assert not any(errors), "\n".join(e for e in errors if e)
-    got = torch.load(tmp_path / "adco.pt", weights_only=True)
-    assert got["equal"] == [True, True], "bank or its momentum differs between the ranks"
-
-    assert not torch_dist.is_initialized()
-    _, method = _method("tiny_adco", "method.bank_init=random", "method.bank_size=10", batch=WORLD * N)
-    method.eval()
-    loss = method(_views(2, WORLD * N, seed=3))["loss"].detach()
-    method.after_step()
-    # Mean of the ranks' losses = the 1-process loss: labels use the global rank offset.
-    assert got["loss"].item() == pytest.approx(loss.item(), rel=1e-6)
-    # The averaged gradient equals the gradient of the global batch's mean loss.
-    torch.testing.assert_close(got["bank"], method.bank.weight, rtol=1e-6, atol=1e-8)
-    torch.testing.assert_close(got["momentum"], method.bank.momentum_buffer, rtol=1e-5, atol=1e-8)

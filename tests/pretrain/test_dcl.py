@@ -125,3 +125,18 @@ def test_dcl_gradient_has_no_npc_multiplier():
         assert npc.item() == pytest.approx(q_b, rel=1e-4)  # diagnostics run in fp32
         grads[name] = g_nce
     assert (grads["far"] - grads["near"]).abs().max() > 0.1  # InfoNCE's does depend on the negatives
+
+
+def test_dclw_weights_are_global_unless_the_per_process_flag_asks():
+    """One process: both forms are the softmax over the same anchors. The 2-process equality with
+    one process (and the per-process control) is in test_dist.py and test_multiprocess.py."""
+    from pretrain.methods.base import LOSSES
+
+    pos = _unit(6, 4, 13) @ _unit(1, 4, 14).T
+    torch.testing.assert_close(dclw_weights(pos.squeeze(1), 0.5, per_process=True), dclw_weights(pos.squeeze(1), 0.5),
+                               rtol=0, atol=0)
+    flags = {}
+    for overrides in ([], ["method.dclw_per_process=true"]):
+        criterion = LOSSES["dclw"](load_config(RECIPES / "tiny_dclw.yaml", overrides).method)
+        flags[tuple(overrides)] = criterion.per_process_weights
+    assert flags == {(): False, ("method.dclw_per_process=true",): True}

@@ -1,21 +1,15 @@
 """pretrain.dist in one process, and with 2 gloo processes on CPU against 1-process references."""
 
-import datetime
-import json
-import os
-import socket
-import traceback
-
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from pretrain import dist
-from pretrain.losses import info_nce, nt_xent_similarities
+from pretrain.losses import DCLLoss, info_nce, nt_xent_similarities
 
-WORLD = 2
+from ..multiprocess_harness import WORLD, NaiveGather, Workers, assert_check_passed
+
 N = 4  # per-rank batch
 TAU = 0.5
 
@@ -53,23 +47,7 @@ def test_single_process_shuffle_unshuffle():
 
 
 # ---------------------------------------------------------------- two processes (gloo)
-# Each check runs all of its collectives before asserting, so a failing rank cannot leave the
-# other one blocked in a collective; a missed collective still ends at the group timeout.
-
-
-class _NaiveGather(torch.autograd.Function):
-    """The pre-#1531 lightly GatherLayer: backward keeps only the local gradient slice."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.n = x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(torch_dist.get_world_size())]
-        torch_dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.narrow(0, torch_dist.get_rank() * ctx.n, ctx.n).clone()
+# One spawn for all checks (tests/multiprocess_harness.py); each check asserts after its collectives.
 
 
 def _global_views(d_in=6):
@@ -89,11 +67,11 @@ def _nt_xent_grad(x1, x2, w, gather, offset):
     return loss.detach(), w.grad
 
 
-def _check_gather_with_grad(r):
+def _check_gather_with_grad(r, out_dir):
     x1, x2, w = _global_views()
     local = slice(r * N, (r + 1) * N)
     loss, grad = _nt_xent_grad(x1[local], x2[local], w, dist.gather_with_grad, dist.rank_offset(N))
-    _, naive_grad = _nt_xent_grad(x1[local], x2[local], w, _NaiveGather.apply, dist.rank_offset(N))
+    _, naive_grad = _nt_xent_grad(x1[local], x2[local], w, NaiveGather.apply, dist.rank_offset(N))
     for t in (loss, grad, naive_grad):  # what DDP does: average over ranks
         torch_dist.all_reduce(t)
         t /= WORLD
@@ -105,7 +83,39 @@ def _check_gather_with_grad(r):
     assert (naive_grad - ref_grad).abs().max() > 1e-3
 
 
-def _check_shuffle(r):
+def _dclw_loss_and_grad(pos, neg, detach, per_process=False):
+    pos = pos.clone().requires_grad_(True)
+    loss = DCLLoss(TAU, weight_sigma=0.5, detach_weights=detach, per_process_weights=per_process)(pos, neg)
+    loss.backward()
+    return loss.detach(), pos.grad
+
+
+def _check_dclw_global_weights(r, out_dir):
+    """DCLW on each rank's N anchors, averaged as DDP does, equals DCLW on the 2N anchors of one
+    process: loss and the gradient of every positive, with the weights detached or not. Negatives
+    are per-anchor inputs here, so only the weights communicate."""
+    g = torch.Generator().manual_seed(5)
+    pos_all = torch.rand(WORLD * N, generator=g, dtype=torch.float64) * 2 - 1
+    neg_all = torch.rand(WORLD * N, 6, generator=g, dtype=torch.float64) * 2 - 1
+    local = slice(r * N, (r + 1) * N)
+    got = {}
+    for detach in (True, False):
+        for per_process in (False, True):
+            loss, grad = _dclw_loss_and_grad(pos_all[local], neg_all[local], detach, per_process)
+            torch_dist.all_reduce(loss)
+            grad_all = dist.gather_no_grad(grad)
+            got[detach, per_process] = (loss / WORLD, grad_all / WORLD)  # DDP: mean of the rank losses
+    for detach in (True, False):
+        ref_loss, ref_grad = _dclw_loss_and_grad(pos_all, neg_all, detach)
+        loss, grad = got[detach, False]
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
+        # The control: lightly's per-process softmax gives another loss and other gradients.
+        local_loss, local_grad = got[detach, True]
+        assert abs(local_loss - ref_loss) > 1e-3 and (local_grad - ref_grad).abs().max() > 1e-3
+
+
+def _check_shuffle(r, out_dir):
     torch.manual_seed(1000 + r)  # different RNG streams: only the broadcast makes perms agree
     ids = torch.arange(r * N, (r + 1) * N, dtype=torch.float64)
     x = torch.stack([ids, -ids, ids * 10], dim=1)
@@ -126,7 +136,7 @@ def _check_shuffle(r):
     torch.testing.assert_close(all_shuffled[idx], all_x, rtol=0, atol=0)  # idx inverts the perm
 
 
-def _check_collectives(r):
+def _check_collectives(r, out_dir):
     assert (dist.world_size(), dist.rank(), dist.rank_offset(N)) == (WORLD, r, r * N)
     x = torch.full((N, 3), float(r), requires_grad=True)
     gathered = dist.gather_no_grad(x)
@@ -147,7 +157,7 @@ def _check_collectives(r):
     torch.testing.assert_close(b, torch.full((2,), 1.0))
 
 
-def _check_process_group_batchnorm(r):
+def _check_process_group_batchnorm(r, out_dir):
     """Each rank normalizes its half; outputs, input and parameter gradients (summed over ranks,
     as DDP's average of per-rank mean losses times W) equal plain BatchNorm on the whole batch."""
     from pretrain.models import ProcessGroupBatchNorm
@@ -180,53 +190,18 @@ def _check_process_group_batchnorm(r):
 CHECKS = {
     "process_group_batchnorm": _check_process_group_batchnorm,
     "gather_with_grad": _check_gather_with_grad,
+    "dclw_global_weights": _check_dclw_global_weights,
     "shuffle": _check_shuffle,
     "collectives": _check_collectives,
 }
 
 
-def _worker(r, port, out_dir):
-    torch.set_num_threads(1)
-    torch_dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=r,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    results = {}
-    try:
-        for name, check in CHECKS.items():
-            try:
-                check(r)
-                results[name] = None
-            except Exception:
-                results[name] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{r}.json"), "w") as f:
-            json.dump(results, f)
-        torch_dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory):
-    """Spawn the 2 gloo workers once (torch import dominates) and collect per-check errors."""
-    out_dir = str(tmp_path_factory.mktemp("dist"))
-    mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
-    results = []
-    for r in range(WORLD):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            results.append(json.load(f))
-    return results
+    return Workers(CHECKS, tmp_path_factory.mktemp("dist"), timeout_s=30).results()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_two_processes(two_process_results, check):
-    errors = [f"rank {r}:\n{res[check]}" for r, res in enumerate(two_process_results) if res[check]]
-    assert not errors, "\n".join(errors)
+    assert_check_passed(two_process_results, check)

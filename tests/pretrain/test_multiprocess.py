@@ -1,37 +1,48 @@
-"""The methods with 2 gloo processes on CPU against 1-process references, and the engine end to end.
+"""Process-count invariance: every method that communicates, on 2 gloo processes on CPU, against
+1-process references on the whole batch; and the engine end to end under torchrun.
 
-* SimCLR on 2 processes (each rank its half of the batch, DDP-style gradient averaging) equals
-  SimCLR in 1 process on the concatenated batch: loss and every parameter gradient, once with BN
-  statistics frozen (loss + gather-with-grad path only) and once with the engine's cross-process
-  BN in train mode (also the BN running statistics).
-* MoCo: the queue stays identical on both ranks and holds the gathered keys in rank order.
-* MoCo's shuffle BN: ``keys(x)`` equals the key encoder run on each rank's slice of the
-  permuted global batch (BN statistics of that slice), normalized and unshuffled.
+* Every communicating method (``CASES``: SimCLR with DCL/DCLW/EqCo, SiMo with K = B−1 and sampled
+  K, SimMoCo, SimCo, MoCo, AdCo single/symmetric/multi-crop), with a tiny conv encoder and the
+  method's own head: each rank its half of the batch, gradients averaged as DDP does, plain SGD
+  for a few steps. The loss of every step, the gradients of step 0, the parameters after the
+  last step and the method's state (queue, bank) equal one process on the concatenated batch
+  within fp32 rounding, and the state is identical on both ranks. BN as in the engine: global
+  statistics for the SyncBN methods (the CPU converter); per-process statistics for MoCo and
+  AdCo, whose reference runs each of the W slices of its batch through BN separately, so that
+  shuffle BN is part of the comparison. Each case also runs a control, a known way to get it
+  wrong (the gather without the summed backward, DCLW's per-process softmax, the local rank
+  offset, no shuffle), which must differ from the reference: the comparison can fail.
+* SimCLR with the real ResNet-18: once with BN statistics frozen (torch's SyncBN; loss and
+  gather-with-grad path only) and once with the engine's cross-process BN in train mode (also the
+  BN running statistics).
+* MoCo with the real ResNet-18: the queue stays identical on both ranks and holds the gathered
+  keys in rank order; ``keys(x)`` equals the key encoder run on each rank's slice of the permuted
+  global batch (BN statistics of that slice), normalized and unshuffled.
 * ``torchrun --nproc_per_node 2 -m pretrain`` with the tiny MoCo v2 and SimCLR recipes (SimCLR
   converts its BN for several processes, which torch's SyncBatchNorm cannot do on CPU).
 
-The 2-process checks run in one ``mp.spawn`` (importing torch dominates); each check runs all of
-its collectives before asserting, so a failing rank cannot leave the other one blocked.
+All 2-process checks run in one spawn (tests/multiprocess_harness.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import datetime
+import functools
 import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
-import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchvision
 from torch import nn
@@ -39,11 +50,16 @@ from torch import nn
 from pretrain import dist
 from pretrain.config import load_config
 from pretrain.methods import METHODS
+from pretrain.models import Encoder, build_head, convert_sync_batchnorm
+
+from ..multiprocess_harness import WORLD, NaiveGather, Workers, assert_check_passed, ddp_average, rel_err
+
+pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[2]
-SIMCLR_RECIPE = REPO / "configs/pretrain/tiny_simclr.yaml"
-MOCO_RECIPE = REPO / "configs/pretrain/tiny_mocov2.yaml"
-WORLD = 2
+RECIPES = REPO / "configs/pretrain"
+SIMCLR_RECIPE = RECIPES / "tiny_simclr.yaml"
+MOCO_RECIPE = RECIPES / "tiny_mocov2.yaml"
 N = 4  # per-rank batch
 B = WORLD * N  # global batch
 SIZE = 8  # image side: with the small stem layer4 is 1×1 (BN statistics still span the N samples)
@@ -62,11 +78,6 @@ def _global_batch(seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.T
 
 def _local(x: torch.Tensor, r: int) -> torch.Tensor:
     return x[r * N:(r + 1) * N]
-
-
-def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |a − ref| / max |ref|: a relative error that near-zero entries cannot blow up."""
-    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
 
 
 # ---------------------------------------------------------------- SimCLR: 2 processes = 1 process
@@ -102,43 +113,21 @@ def _simclr_grads(method: nn.Module, views) -> tuple[torch.Tensor, dict[str, tor
     return loss.detach(), {k: p.grad.detach().clone() for k, p in method.named_parameters() if p.grad is not None}
 
 
-class _NaiveGather(torch.autograd.Function):
-    """A gather whose backward keeps only the local gradient slice (lightly #1528)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.n = x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(torch_dist.get_world_size())]
-        torch_dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.narrow(0, torch_dist.get_rank() * ctx.n, ctx.n).clone()
-
-
-def _ddp_average(loss: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
-    """What DDP does to gradients (all-reduce sum / W); the logged loss is averaged the same way."""
-    for t in [loss, *grads.values()]:
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
-        t /= WORLD
-
-
 def _check_simclr(r, out_dir):
     # torch's SyncBN, as the engine uses on CUDA; frozen statistics (see _freeze_bn_stats).
     method = _freeze_bn_stats(nn.SyncBatchNorm.convert_sync_batchnorm(_simclr(WORLD)))
     x1, x2 = _global_batch(7, torch.float64)
     views = [_local(x1, r), _local(x2, r)]
     loss, grads = _simclr_grads(method, views)
-    _ddp_average(loss, grads)
+    ddp_average(loss, *grads.values())
     # Negative control: a gather without the summed backward must not match the reference.
     original = dist.gather_with_grad
-    dist.gather_with_grad = _NaiveGather.apply
+    dist.gather_with_grad = NaiveGather.apply
     try:
         naive_loss, naive_grads = _simclr_grads(method, views)
     finally:
         dist.gather_with_grad = original
-    _ddp_average(naive_loss, naive_grads)
+    ddp_average(naive_loss, *naive_grads.values())
     if r == 0:
         torch.save({"loss": loss, "grads": grads, "naive_grads": naive_grads}, os.path.join(out_dir, "simclr.pt"))
 
@@ -154,12 +143,12 @@ def _check_simclr_global_bn(r, out_dir):
     method = convert_sync_batchnorm(_simclr(WORLD), torch.device("cpu")).train()
     x1, x2 = _global_batch(7, torch.float64)
     loss, grads = _simclr_grads(method, [_local(x1, r), _local(x2, r)])
-    _ddp_average(loss, grads)
+    ddp_average(loss, *grads.values())
     buffers = _bn_buffers(method)
     buffers_equal = all(dist.all_ranks_equal(v) for v in buffers.values())
     # Negative control: per-process BN (no conversion) sees 2N samples, not 4N: gradients differ.
     local_bn_loss, local_bn_grads = _simclr_grads(_simclr(WORLD).train(), [_local(x1, r), _local(x2, r)])
-    _ddp_average(local_bn_loss, local_bn_grads)
+    ddp_average(local_bn_loss, *local_bn_grads.values())
     if r == 0:
         torch.save({"loss": loss, "grads": grads, "buffers": buffers, "buffers_equal": buffers_equal,
                     "local_bn_grads": local_bn_grads,
@@ -218,10 +207,7 @@ def _check_moco_queue(r, out_dir):
         expected_keys = _reference_keys(method.encoder_k, x2, _rank0_perm(rng_before))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        for p in method.parameters():
-            if p.grad is not None:
-                torch_dist.all_reduce(p.grad)
-                p.grad /= WORLD
+        ddp_average(*(p.grad for p in method.parameters() if p.grad is not None))
         optimizer.step()
         records.append({
             "ptr_before": ptr_before,
@@ -270,88 +256,226 @@ def _check_shuffle_bn(r, out_dir):
     assert (got_all - no_shuffle).abs().max() > 1e-3, "shuffle BN made no difference: the check is vacuous"
 
 
+# ---------------------------------------------------------------- every communicating method
+# A tiny conv encoder under each method's own head keeps these cheap; what is compared is the
+# method's communication (gathers, rank offsets, shuffle BN, queue and bank updates), not the
+# backbone. Images are SIZE_TINY px, everything fp32 as in training.
+
+SIZE_TINY = 6
+FEATURES = 8
+STEPS = 3
+LR = 0.1  # plain SGD: the parameters move enough for a wrong gradient to show
+# fp32 rounding of different reduction orders (global BN from sums, per-rank losses), amplified
+# over STEPS steps: measured ≤ 2e-5 of each group's scale; the controls are off by ≥ 0.2.
+CASE_RTOL = 1e-4
+
+
+def _tiny_build_encoder(arch, stem, head, dim, hidden_dim=None, bn_splits=1, out_bn=False) -> Encoder:
+    """Stands in for pretrain.models.build_encoder: conv → BN → ReLU → pool, then the real head."""
+    backbone = nn.Sequential(nn.Conv2d(3, FEATURES, 3, padding=1, bias=False), nn.BatchNorm2d(FEATURES),
+                             nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return Encoder(backbone, build_head(head, FEATURES, hidden_dim or FEATURES, dim, out_bn))
+
+
+class _PerProcessBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """What the W processes' own BN layers compute, in one process: train-mode BN statistics of
+    each of the W contiguous slices of the batch (slice r = rank r's samples)."""
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([F.batch_norm(chunk, None, None, self.weight, self.bias, True, 0.0, self.eps)
+                          for chunk in x.chunk(WORLD)])
+
+
+def _per_process_bn(method: nn.Module) -> None:
+    for m in method.modules():
+        if type(m) in (nn.BatchNorm1d, nn.BatchNorm2d):
+            m.__class__ = _PerProcessBatchNorm  # in place: parameter names and values unchanged
+
+
+def _gather_positives_naively(x: torch.Tensor) -> torch.Tensor:
+    """Embeddings (2-d) through the right gather, DCLW's positives (1-d) through the naive one."""
+    return NaiveGather.apply(x) if x.dim() == 1 else _REAL_GATHER_WITH_GRAD(x)
+
+
+_REAL_GATHER_WITH_GRAD = dist.gather_with_grad
+
+# A control: (extra config overrides, patch active around forward and after_step).
+CONTROLS: dict[str, tuple[tuple[str, ...], Callable[[], contextlib.AbstractContextManager]]] = {
+    # lightly before PR #1531: the backward keeps only the local slice of the local gradient.
+    "naive_gather": ((), lambda: mock.patch.object(dist, "gather_with_grad", NaiveGather.apply)),
+    # the same for DCLW's gathered positives only (their weights' gradient across ranks is lost)
+    "naive_weight_gather": ((), lambda: mock.patch.object(dist, "gather_with_grad", _gather_positives_naively)),
+    # lightly's DCLW: the weights' softmax over each process's anchors
+    "per_process_weights": (("method.dclw_per_process=true",), contextlib.nullcontext),
+    # the official AdCo on several nodes: the positive's column from the local index only
+    "local_offset": ((), lambda: mock.patch.object(dist, "rank_offset", lambda n_local: 0)),
+    # shuffle BN that never leaves the process: each key encoder normalizes its own samples
+    "no_shuffle": ((), lambda: mock.patch.object(dist, "shuffle_batch",
+                                                 lambda x: (x, torch.arange(WORLD * x.shape[0])))),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    recipe: str
+    overrides: tuple[str, ...] = ()
+    controls: tuple[str, ...] = ()
+    view_sizes: tuple[int, ...] = (SIZE_TINY, SIZE_TINY)  # key crop first for AdCo's multi-crop
+    rng_skip: int = 0  # uniforms rank r skips, ×r, so its random draws continue rank 0's like one process's rows
+
+
+ADCO = ("method.bank_init=fill", f"method.bank_size={B}", "method.bn_splits=1")  # step 1 fills, then adversarial
+CASES = {
+    "simclr_dcl": Case("tiny_dcl", controls=("naive_gather",)),
+    "simclr_dclw": Case("tiny_dclw", controls=("per_process_weights",)),
+    "simclr_dclw_undetached": Case("tiny_dclw", ("method.dclw_detach=false",),
+                                   controls=("per_process_weights", "naive_weight_gather")),
+    "simclr_eqco": Case("tiny_simclr_eqco", ("method.eqco_alpha=64",), controls=("naive_gather",)),
+    "simo_eqco": Case("tiny_simo", controls=("local_offset",)),  # K = B − 1
+    # per-query sampling draws torch.rand(N_local, B − 1): rank 1 continues after rank 0's rows
+    "simo_sampled": Case("tiny_simo", ("method.num_negatives=3", "method.negative_sampling=per_query"),
+                         controls=("local_offset",), rng_skip=N * (B - 1)),
+    "simmoco": Case("tiny_simmoco", controls=("local_offset",)),
+    "simco": Case("tiny_simco", controls=("naive_gather",)),
+    "moco": Case("tiny_mocov2", (f"method.queue_size={2 * B}", "method.bn_splits=1"), controls=("no_shuffle",)),
+    "adco": Case("tiny_adco", ADCO, controls=("local_offset",)),
+    "adco_symmetric": Case("tiny_adco_sym", ADCO, controls=("local_offset",)),
+    "adco_multicrop": Case("tiny_adco_multicrop", (*ADCO, "method.query_crops=[224,160]",
+                                                   "method.query_crop_min_scales=[0.2,0.2]",
+                                                   "method.query_crop_max_scales=[1,1]"),
+                           controls=("local_offset",), view_sizes=(SIZE_TINY, SIZE_TINY, 4)),
+}
+
+
+def _build(case: Case, num_processes: int, extra: tuple[str, ...] = ()) -> nn.Module:
+    cfg = load_config(RECIPES / f"{case.recipe}.yaml", [f"train.batch_size={B}", f"data.image_size={SIZE_TINY}",
+                                                        "method.dim=8", *case.overrides, *extra], num_processes)
+    torch.manual_seed(0)  # the engine's set_seed: the same weights, queue and bank on every rank
+    with contextlib.ExitStack() as stack:
+        for module in ("adco", "moco", "simclr", "simco", "simo"):
+            stack.enter_context(mock.patch(f"pretrain.methods.{module}.build_encoder", _tiny_build_encoder))
+        method = METHODS[cfg.method.name](cfg, num_processes).train()
+    if method.sync_bn and num_processes > 1:
+        convert_sync_batchnorm(method, torch.device("cpu"))  # as the engine: global BN statistics
+    if not method.sync_bn and num_processes == 1:
+        _per_process_bn(method)
+    return method
+
+
+def _case_views(case: Case, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + step)
+    return [torch.randn(B, 3, s, s, generator=g) for s in case.view_sizes]
+
+
+def _run(case: Case, rank: int | None, control: str | None = None) -> dict:
+    """STEPS training steps, on the whole batch in one process (rank None) or on this rank's slice.
+
+    Returns the loss of every step, the gradients of step 0, the parameters and their
+    displacement after the last step, and the method's buffers other than BN statistics
+    (queue, bank, counters), all averaged over ranks as DDP would."""
+    extra, patch = CONTROLS[control] if control else ((), contextlib.nullcontext)
+    method = _build(case, 1 if rank is None else WORLD, extra)
+    optimizer = torch.optim.SGD(method.parameters(), lr=LR)
+    initial = {k: p.detach().clone() for k, p in method.named_parameters()}
+    losses, grads = [], None
+    for step in range(STEPS):
+        views = _case_views(case, step)
+        if rank is not None:
+            views = [v[rank * N:(rank + 1) * N] for v in views]
+        torch.manual_seed(100 + step)  # every rank as the reference: shuffle BN keeps rank 0's draw
+        torch.rand(case.rng_skip * (rank or 0))
+        with patch():
+            loss = method(views)["loss"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        loss = loss.detach().clone()
+        step_grads = {k: p.grad for k, p in method.named_parameters() if p.grad is not None}
+        if rank is not None:
+            ddp_average(loss, *step_grads.values())
+        optimizer.step()
+        with patch():
+            method.after_step()
+        losses.append(loss)
+        if step == 0:
+            grads = {k: g.clone() for k, g in step_grads.items()}
+    state = {k: v.clone() for k, v in method.named_buffers() if "running_" not in k and "num_batches" not in k}
+    return {"losses": torch.stack(losses), "grads": grads, "state": state,
+            "params": {k: p.detach().clone() for k, p in method.named_parameters()},
+            "moved": {k: p.detach() - initial[k] for k, p in method.named_parameters() if p.requires_grad}}
+
+
+def _check_case(name: str, r: int, out_dir: str) -> None:
+    case = CASES[name]
+    run = _run(case, r)
+    state_equal = {k: dist.all_ranks_equal(v) for k, v in run["state"].items()}
+    controls = {c: _run(case, r, control=c) for c in case.controls}
+    if r == 0:
+        torch.save({"run": run, "state_equal": state_equal, "controls": controls}, os.path.join(out_dir, f"{name}.pt"))
+
+
+def _differences(got: dict, ref: dict) -> dict[str, float]:
+    """Error of each compared tensor (losses, step-0 gradients, parameters, their displacement,
+    state buffers) relative to the largest reference entry of its group: a gradient that vanishes
+    analytically (a bias followed by BN) is pure rounding noise, which its own scale would blow up."""
+    errors = {"losses": rel_err(got["losses"], ref["losses"])}
+    for part in ("grads", "params", "moved", "state"):
+        assert got[part].keys() == ref[part].keys(), (part, sorted(got[part].keys() ^ ref[part].keys()))
+        scale = max([v.double().abs().max().item() for v in ref[part].values() if v.numel()] or [0.0])
+        errors.update({f"{part}:{k}": (got[part][k].double() - v.double()).abs().max().item() / max(scale, 1e-30)
+                       for k, v in ref[part].items() if v.numel()})
+    return errors
+
+
 CHECKS = {
     "simclr": _check_simclr,
     "simclr_global_bn": _check_simclr_global_bn,
     "moco_queue": _check_moco_queue,
     "shuffle_bn": _check_shuffle_bn,
+    **{name: functools.partial(_check_case, name) for name in CASES},
 }
-
-
-def _worker(r, port, out_dir):
-    torch.set_num_threads(1)
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=WORLD,
-                                  timeout=datetime.timedelta(seconds=60))
-    results = {}
-    try:
-        for name, check in CHECKS.items():
-            try:
-                check(r, out_dir)
-                results[name] = None
-            except Exception:
-                results[name] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{r}.json"), "w") as f:
-            json.dump(results, f)
-        torch_dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
     """Start the 2 gloo workers and the 2-process engine runs together, as far as the selected
     tests need them: each is mostly process start-up on one core, so overlapping them roughly
-    halves the wall time on 2 cores. Yields (spawn context, worker output folder, engine runs)."""
+    halves the wall time on 2 cores. Yields (workers, engine runs)."""
     mine = [item for item in request.session.items if item.module is request.module]
     workers = engine = None
-    out_dir = tmp_path_factory.mktemp("multiprocess")
     try:
         if any("two_process_results" in item.fixturenames for item in mine):
-            workers = mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False)
+            workers = Workers(CHECKS, tmp_path_factory.mktemp("multiprocess"))
         if any("engine_runs" in item.fixturenames for item in mine):
             engine = _start_engine_runs(request.getfixturevalue("synthetic_root"), tmp_path_factory)
-        yield workers, out_dir, engine
+        yield workers, engine
     finally:
         for proc, log, _ in (engine or {}).values():
             if proc.poll() is None:  # only if a test did not wait for it (e.g. an error above)
                 _kill_run(proc)
             log.close()
         if workers is not None:
-            for p in workers.processes:
-                if p.is_alive():
-                    p.terminate()
-                p.join()
+            workers.terminate()
 
 
 @pytest.fixture(scope="module")
 def two_process_results(launched):
     """Per-check tracebacks of each rank (None = passed) and the workers' output folder."""
-    workers, out_dir, _ = launched
-    while not workers.join():  # raises if a worker died
-        pass
-    results = []
-    for r in range(WORLD):
-        with open(out_dir / f"rank{r}.json") as f:
-            results.append(json.load(f))
-    return results, out_dir
+    workers = launched[0]
+    return workers.results(), workers.out_dir
 
 
 def _assert_check_passed(two_process_results, check):
-    results, _ = two_process_results
-    errors = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res[check]]
-    assert not errors, "\n".join(errors)
+    assert_check_passed(two_process_results[0], check)
 
 
 def _assert_matches_reference(got, ref_loss, ref_grads, method):
     assert abs(got["loss"].item() - ref_loss.item()) <= RTOL * abs(ref_loss.item()), (got["loss"], ref_loss)
     assert got["grads"].keys() == ref_grads.keys()
     assert len(ref_grads) == sum(p.requires_grad for p in method.parameters())
-    errors = {k: _rel_err(got["grads"][k], ref) for k, ref in ref_grads.items()}
+    errors = {k: rel_err(got["grads"][k], ref) for k, ref in ref_grads.items()}
     bad = {k: e for k, e in errors.items() if not e <= RTOL}
     assert not bad, f"{len(bad)} of {len(errors)} gradients differ from the 1-process run: {bad}"
 
@@ -369,7 +493,7 @@ def test_simclr_two_processes_equal_one_process(two_process_results):
 
     _assert_matches_reference(got, ref_loss, ref_grads, method)
     # The comparison can fail: without the summed backward the gradients are wrong.
-    naive = max(_rel_err(got["naive_grads"][k], ref) for k, ref in ref_grads.items())
+    naive = max(rel_err(got["naive_grads"][k], ref) for k, ref in ref_grads.items())
     assert naive > 1e-3, naive
 
 
@@ -388,10 +512,10 @@ def test_simclr_global_bn_two_processes_equal_one_process(two_process_results):
     ref_buffers = _bn_buffers(method)
     assert got["buffers_equal"], "BN running statistics differ between the ranks"
     assert got["buffers"].keys() == ref_buffers.keys()
-    bad = {k: e for k, v in ref_buffers.items() if not (e := _rel_err(got["buffers"][k], v)) <= RTOL}
+    bad = {k: e for k, v in ref_buffers.items() if not (e := rel_err(got["buffers"][k], v)) <= RTOL}
     assert not bad, f"BN running statistics differ from the 1-process run: {bad}"
     # The comparison can fail: per-process BN statistics give other gradients.
-    local_bn = max(_rel_err(got["local_bn_grads"][k], ref) for k, ref in ref_grads.items())
+    local_bn = max(rel_err(got["local_bn_grads"][k], ref) for k, ref in ref_grads.items())
     assert local_bn > 1e-3, local_bn
 
 
@@ -401,6 +525,23 @@ def test_moco_queue_identical_and_holds_gathered_keys(two_process_results):
 
 def test_moco_shuffle_bn_keys_equal_per_slice_reference(two_process_results):
     _assert_check_passed(two_process_results, "shuffle_bn")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_method_two_processes_equal_one_process(two_process_results, name):
+    """Loss, gradients, parameters after STEPS steps and state equal one process on the whole
+    batch; the state is identical on both ranks; every control differs from the reference."""
+    _assert_check_passed(two_process_results, name)
+    got = torch.load(two_process_results[1] / f"{name}.pt", weights_only=True)
+    assert not torch_dist.is_initialized()
+    reference = _run(CASES[name], rank=None)
+
+    assert all(got["state_equal"].values()), f"state differs between the ranks: {got['state_equal']}"
+    bad = {k: e for k, e in _differences(got["run"], reference).items() if not e <= CASE_RTOL}
+    assert not bad, f"{len(bad)} quantities differ from the 1-process run: {bad}"
+    for control, result in got["controls"].items():
+        worst = max(_differences(result, reference).values())
+        assert worst > 1e-3, f"control {control!r} matches the reference ({worst:.2g}): the comparison cannot fail"
 
 
 # ---------------------------------------------------------------- engine end to end (torchrun)
@@ -438,7 +579,7 @@ def _kill_run(proc: subprocess.Popen) -> None:
 def engine_runs(launched):
     """recipe -> (exit code, log, output_dir) of `torchrun --nproc_per_node 2 -m pretrain`."""
     runs = {}
-    for recipe, (proc, log, out) in launched[2].items():
+    for recipe, (proc, log, out) in launched[1].items():
         try:
             rc = proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
