@@ -8,7 +8,7 @@ PRESET ?= small
 SEED ?= 0
 METHOD ?= mocov2
 
-.PHONY: setup demo test clean-data
+.PHONY: setup demo test test-fast clean-data
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: setup
 # One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores.
 test: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest
+
+# The suite without the tests marked `slow` (brief pretraining, detection training, the demo).
+test-fast: setup
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow"
 
 clean-data:
 	rm -rf $(DATA)

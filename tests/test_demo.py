@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 DEMO = Path(__file__).resolve().parents[1] / "tools" / "demo.py"
 
 

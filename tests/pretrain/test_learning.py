@@ -9,6 +9,8 @@ import torch
 from converters.checkpoint_io import build_resnet, load_backbone
 from pretrain.knn import knn_accuracy
 
+pytestmark = pytest.mark.slow
+
 MARGIN = 5.0  # points of top-1 on 300 val images (10 classes, chance 10 %)
 
 

@@ -19,6 +19,8 @@ pytest.importorskip("detectron2")
 from converters.to_detectron2 import convert  # noqa: E402
 from transfer.detection.__main__ import main  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs" / "detection"
 # config, test split. Both tiny configs have BN in the new box-head layers, which is what makes

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from transfer import knn, voc07_svm
+
+pytestmark = pytest.mark.slow
 
 
 def test_pretrained_beats_random_init_in_knn_and_svm(synthetic_root, brief_pretraining, tmp_path, capsys):
