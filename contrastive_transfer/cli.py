@@ -39,7 +39,7 @@ def describe(error: BaseException) -> str:
         reason = error.strerror or str(error)
         hint = {PermissionError: "fix its permissions or choose another path",
                 FileNotFoundError: "check the path"}.get(type(error), "check the path and the disk")
-        return f"{reason}:{where}; {hint}"
+        return f"{reason}:{where}; {hint}" if where else f"{reason}; {hint}"
     return " ".join(str(error).split()) or type(error).__name__
 
 

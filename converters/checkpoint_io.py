@@ -31,10 +31,12 @@ import torch
 import torchvision
 from torch import nn
 
+from contrastive_transfer.cli import UserError
+
 logger = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be read as a ResNet backbone; the message is one line naming the
     file and the keys, shapes or options at fault."""
 
@@ -48,6 +50,7 @@ class Backbone:
     dropped: list[str] = field(default_factory=list)  # non-backbone tensors of the container (heads, queues, ...)
     source: str = ""  # the input path
     encoder: str = "query"  # which encoder was read: "query" | "key"
+    image_size: int | None = None  # the pretraining crop, when the checkpoint records it (this project's)
 
     @property
     def depth(self) -> int:
@@ -336,7 +339,15 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
     dropped = [k for k in tensors if k not in backbone_tensors] + [
         k for k in others if other_prefix is None or not k.startswith(other_prefix)
         or not _is_backbone_tensor(k[len(other_prefix):])]
-    return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder)
+    return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder, _pretraining_image_size(ckpt))
+
+
+def _pretraining_image_size(ckpt) -> int | None:
+    """``data.image_size`` of the config this project saves in its checkpoints; None elsewhere."""
+    config = ckpt.get("config") if isinstance(ckpt, Mapping) else None
+    data = config.get("data") if isinstance(config, Mapping) else None
+    size = data.get("image_size") if isinstance(data, Mapping) else None
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def build_resnet(backbone: Backbone) -> nn.Module:

@@ -1,19 +1,6 @@
 """Frozen ResNet features: layers and pooling of the FAIR/VISSL benchmark, preprocessing, disk cache.
 
-Layers (the FAIR tools' table for a 224×224 input, ImageNet stem, ResNet-50 widths):
-
-    layer    node     map        AvgPool2d(kernel, stride, pad)   out      dim
-    conv1    relu     64×112²    (10, 10, 4)                       12×12    9216
-    res2     layer1   256×56²    (16, 8, 0)                        6×6      9216
-    res3     layer2   512×28²    (13, 5, 0)                        4×4      8192
-    res4     layer3   1024×14²   (8, 3, 0)                         3×3      9216
-    res5     layer4   2048×7²    (6, 1, 0)                         2×2      8192
-    res5avg  layer4   2048×7²    global average                    1×1      2048
-
-so dim = channels × out² (res5avg = the backbone's feature width: 2048 for ResNet-50, 512 for
-ResNet-18). For other map sizes (small images, the small stem) the pooling keeps the output grid g:
-stride s = max(1, round(s₀·H/H₀)), pad p = round(p₀·H/H₀), kernel k = H + 2p − (g−1)·s, which is
-exactly the table at H = H₀. Every result records the pooling it used.
+The layers and their pooling are in ``transfer.layers``.
 
 Preprocessing: "warp" (VOC07 SVM: shorter side → resize, then resize to crop×crop, aspect not
 kept, no crop) or "center" (linear/kNN evaluation: shorter side → resize, center crop).
@@ -35,52 +22,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchvision.models.feature_extraction import create_feature_extractor
 from torchvision.transforms import v2
-from tqdm import tqdm
 
 from converters.checkpoint_io import Backbone, atomic_write, build_resnet, load_backbone
+from transfer.eval_cli import progress
+from transfer.layers import LAYERS, LayerSpec, pooling_for  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    node: str  # torchvision ResNet node whose output is pooled
-    grid: int  # output grid g (0 = global average)
-    ref_map: int = 0  # map side H₀ at 224 input with the ImageNet stem
-    ref_stride: int = 0
-    ref_pad: int = 0
-
-
-LAYERS = {
-    "conv1": LayerSpec("relu", 12, 112, 10, 4),
-    "res2": LayerSpec("layer1", 6, 56, 8, 0),
-    "res3": LayerSpec("layer2", 4, 28, 5, 0),
-    "res4": LayerSpec("layer3", 3, 14, 3, 0),
-    "res5": LayerSpec("layer4", 2, 7, 1, 0),
-    "res5avg": LayerSpec("layer4", 0),
-}
-
-
-def pooling_for(layer: str, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None:
-    """(kernel, stride, pad) per axis for `layer` on an H×W map; None for global average."""
-    spec = LAYERS[layer]
-    if spec.grid == 0:
-        return None
-    out = []
-    for size in (height, width):
-        stride = max(1, round(spec.ref_stride * size / spec.ref_map))
-        pad = round(spec.ref_pad * size / spec.ref_map)
-        kernel = size + 2 * pad - (spec.grid - 1) * stride
-        if kernel < 1 or size < spec.grid:
-            raise ValueError(f"layer {layer}: a {height}×{width} map is too small for its {spec.grid}×{spec.grid} "
-                             "pooling grid; use larger images (--resize/--crop)")
-        pad = min(pad, kernel // 2)  # AvgPool2d's limit; only matters far from the reference size
-        out.append((kernel, stride, pad))
-    (kh, sh, ph), (kw, sw, pw) = out
-    return (kh, kw), (sh, sw), (ph, pw)
 
 
 def pool(layer: str, fmap: torch.Tensor) -> torch.Tensor:
@@ -167,7 +117,7 @@ def extract(extractor: LayerFeatures, dataset, batch_size: int = 32, workers: in
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                         pin_memory=device.type == "cuda")
     chunks: dict[str, list[np.ndarray]] = {name: [] for name in extractor.layers}
-    for images, _ in tqdm(loader, desc=desc, unit="batch", leave=False, disable=None):
+    for images, _ in progress(loader, len(loader), desc):
         for name, feats in extractor(images.to(device, non_blocking=True)).items():
             chunks[name].append(feats.float().cpu().numpy())
     return {name: np.concatenate(c) for name, c in chunks.items()}

@@ -16,31 +16,35 @@ with pretrain is the checkpoint file).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+from contrastive_transfer.cli import UserError, command, ensure_writable_dir
+from transfer import eval_cli
+
+if TYPE_CHECKING:  # torch is imported where it is used, so that --help does not wait for it
+    import numpy as np
+    import torch
 
 logger = logging.getLogger(__name__)
 
 
-@torch.no_grad()
 def knn_scores(query: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int,
                k: int = 200, t: float = 0.07, chunk: int = 1024) -> torch.Tensor:
     """Class votes (Nq, C) of L2-normalized queries (Nq, D) against a normalized bank (Nb, D):
     score[q, c] = Σ_{j ∈ topk(q)} [y_j = c] · exp(⟨q, b_j⟩ / t). Queries go in chunks so the
     similarity matrix stays chunk × Nb."""
+    import torch
+
     k = min(k, bank.shape[0])
     out = []
-    for q in query.split(chunk):
-        sim, idx = (q @ bank.T).topk(k, dim=1)
-        votes = torch.zeros(q.shape[0], num_classes, dtype=sim.dtype, device=sim.device)
-        out.append(votes.scatter_add_(1, bank_labels[idx], (sim / t).exp()))
+    with torch.no_grad():
+        for q in query.split(chunk):
+            sim, idx = (q @ bank.T).topk(k, dim=1)
+            votes = torch.zeros(q.shape[0], num_classes, dtype=sim.dtype, device=sim.device)
+            out.append(votes.scatter_add_(1, bank_labels[idx], (sim / t).exp()))
     return torch.cat(out)
 
 
@@ -53,43 +57,47 @@ def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> dict
 
 def knn_evaluate(train_feats: np.ndarray, train_labels, val_feats: np.ndarray, val_labels, num_classes: int,
                  k: int = 200, t: float = 0.07) -> dict[str, float]:
+    import torch
+    import torch.nn.functional as F
+
     bank = F.normalize(torch.as_tensor(train_feats, dtype=torch.float32), dim=1)
     query = F.normalize(torch.as_tensor(val_feats, dtype=torch.float32), dim=1)
     scores = knn_scores(query, bank, torch.as_tensor(train_labels), num_classes, k, t)
     return topk_accuracy(scores, torch.as_tensor(val_labels))
 
 
+def parser():
+    p = eval_cli.make_parser("python -m transfer.knn", __doc__)
+    eval_cli.add_checkpoint_args(p)
+    p.add_argument("--train-dir", required=True, help="ImageFolder of the bank (e.g. imagenet/train)")
+    p.add_argument("--val-dir", required=True, help="ImageFolder of the queries (e.g. imagenet/val)")
+    p.add_argument("--k", type=int, default=200, help="neighbours that vote")
+    p.add_argument("--t", type=float, default=0.07, help="temperature of the exp(sim / t) votes")
+    p.add_argument("--output-dir", default="knn_output", help="metrics.json and the feature cache go here")
+    eval_cli.add_size_args(p, "shorter side before the center crop", "center crop side")
+    eval_cli.add_loader_args(p, batch_size=64)
+    return p
+
+
+@command
 def main(argv: list[str] | None = None) -> None:
-    from converters.checkpoint_io import CheckpointError, atomic_write, summary_lines
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.k < 1 or args.t <= 0:
+        raise UserError(f"--k {args.k} / --t {args.t}: expected k >= 1 and t > 0")
+
+    from converters.checkpoint_io import atomic_write, summary_lines
     from transfer.datasets.readers import read_image_folder
     from transfer.features import FeatureCache, LayerFeatures, Preprocessing, load_model
 
-    parser = argparse.ArgumentParser(prog="python -m transfer.knn", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", required=True, help="checkpoint in any layout the converters read")
-    parser.add_argument("--train-dir", required=True, help="ImageFolder of the bank (e.g. imagenet/train)")
-    parser.add_argument("--val-dir", required=True, help="ImageFolder of the queries (e.g. imagenet/val)")
-    parser.add_argument("--k", type=int, default=200)
-    parser.add_argument("--t", type=float, default=0.07, help="temperature of the exp(sim / t) votes")
-    parser.add_argument("--output-dir", default="knn_output", help="metrics.json and the feature cache go here")
-    parser.add_argument("--encoder", default="query", choices=["query", "key"])
-    parser.add_argument("--layout", default="auto")
-    parser.add_argument("--resize", type=int, default=256)
-    parser.add_argument("--crop", type=int, default=224)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=4)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.k < 1 or args.t <= 0:
-        sys.exit(f"error: --k {args.k} / --t {args.t}: expected k >= 1 and t > 0")
-    out = Path(args.output_dir)
-    try:
-        prep = Preprocessing(args.resize, args.crop, "center")
-        train, val = read_image_folder(args.train_dir), read_image_folder(args.val_dir)
-        if train.classes != val.classes:
-            raise ValueError(f"class folders of {args.train_dir} and {args.val_dir} differ")
-        model, backbone = load_model(args.weights, args.encoder, args.layout)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    model, backbone = load_model(args.weights, args.encoder, args.layout)
+    resize, crop = eval_cli.resolve_size(args.resize, args.crop, backbone.image_size)
+    prep = Preprocessing(resize, crop, "center")
+    train, val = read_image_folder(args.train_dir), read_image_folder(args.val_dir)
+    if train.classes != val.classes:
+        raise UserError(f"class folders of {args.train_dir} and {args.val_dir} differ; use the same classes in both")
+    # The inputs are valid; before the long work, prove the output can be written.
+    out = ensure_writable_dir(args.output_dir, "--output-dir")
     for line in summary_lines(backbone):
         logger.info(line)
     train.transform = val.transform = prep.transform()
@@ -100,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     query = cache.get(make, val, "val", ["res5avg"], **kwargs)["res5avg"]
     acc = knn_evaluate(bank, train.labels, query, val.labels, len(train.classes), args.k, args.t)
     metrics = {"protocol": "knn", "checkpoint": str(args.weights), "encoder": args.encoder,
-               "backbone": {"arch": backbone.arch, "stem": backbone.stem, "layout": backbone.layout},
+               "backbone": {"arch": backbone.arch, "stem": backbone.stem, "layout": backbone.layout,
+                            "pretraining_image_size": backbone.image_size},
                "feature": {"layer": "res5avg", "dim": int(bank.shape[1]), "normalization": "L2"},
                "preprocessing": prep.describe(), "k": args.k, "t": args.t,
                "train": {"dir": str(args.train_dir), "images": len(train)},

@@ -29,19 +29,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import scipy.sparse as sp
 from joblib import Parallel, delayed
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.model_selection import cross_val_score
-from sklearn.svm import LinearSVC
-from tqdm import tqdm
+
+from contrastive_transfer.cli import UserError, command, ensure_writable_dir
+from transfer import eval_cli
+from transfer.layers import LAYERS
+
+if TYPE_CHECKING:  # scikit-learn is imported where it is used, so that --help does not wait for it
+    from sklearn.svm import LinearSVC
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ VOC07_TRAINVAL_IMAGES, VOC07_TEST_IMAGES = 5011, 4952
 
 
 def make_svm(cost: float, seed: int = SVM_SEED) -> LinearSVC:
+    from sklearn.svm import LinearSVC
+
     return LinearSVC(C=cost, random_state=seed, **SVM_PARAMS)
 
 
@@ -102,22 +107,26 @@ def check_disjoint(train_ids: list[str], test_ids: list[str], train_split: str, 
     """Refuse to score SVMs on images they were trained on (fair_ssl#34: trainval 'test' AP)."""
     shared = set(train_ids) & set(test_ids)
     if shared:
-        raise ValueError(
+        raise UserError(
             f"test split {test_split!r} shares {len(shared)} of its {len(test_ids)} images with the training split "
             f"{train_split!r}: the SVMs would be scored on their own training images; test on VOC2007 'test' "
             f"({VOC07_TEST_IMAGES} images)")
     if len(train_ids) == VOC07_TRAINVAL_IMAGES and len(test_ids) != VOC07_TEST_IMAGES:
-        raise ValueError(f"training on VOC2007 trainval ({len(train_ids)} images) but the test split {test_split!r} "
+        raise UserError(f"training on VOC2007 trainval ({len(train_ids)} images) but the test split {test_split!r} "
                          f"has {len(test_ids)} images, not the {VOC07_TEST_IMAGES} of VOC2007 test")
 
 
 def _quiet_svm():
+    from sklearn.exceptions import ConvergenceWarning
+
     # liblinear stops at max_iter for large costs, as in the reference tools: expected, not news.
     warnings.filterwarnings("ignore", category=ConvergenceWarning)
 
 
 def cv_score(x, y: np.ndarray, cost: float, seed: int) -> np.ndarray:
     """Per-fold sklearn AP of one (class, cost): exactly the FAIR tools' cross_val_score call."""
+    from sklearn.model_selection import cross_val_score
+
     _quiet_svm()
     return cross_val_score(make_svm(cost, seed), x, y, cv=CV_FOLDS, scoring="average_precision")
 
@@ -147,25 +156,42 @@ class SvmResult:
                               for i, c in enumerate(self.classes)}}
 
 
-def _run(tasks, jobs: int, desc: str) -> list:
-    """Run (key, fn, args) tasks, in parallel processes when jobs != 1, with a progress bar;
-    returns {key: result}."""
+WarningSink = Callable[[list[tuple[str, str]]], None]
+
+
+def _rewarn(records: list[tuple[str, str]]) -> None:
+    for _, message in records:
+        warnings.warn(message, stacklevel=2)
+
+
+def _run(tasks, jobs: int, desc: str, on_warnings: WarningSink = _rewarn) -> list:
+    """Run (key, fn, args) tasks, in parallel processes when jobs != 1, with progress; returns the
+    results in task order. Warnings raised inside the tasks (in whichever process) go to
+    ``on_warnings`` as (category, message) pairs."""
     keys = [k for k, _, _ in tasks]
-    calls = (delayed(_keyed)(k, fn, *args) for k, fn, args in tasks)
-    bar = dict(total=len(tasks), desc=desc, unit="fit", leave=False, disable=None)
     if jobs == 1:
-        results = dict(tqdm((_keyed(k, fn, *args) for k, fn, args in tasks), **bar))
+        done = (_keyed(k, fn, *args) for k, fn, args in tasks)
     else:
-        results = dict(tqdm(Parallel(n_jobs=jobs, return_as="generator_unordered")(calls), **bar))
+        calls = (delayed(_keyed)(k, fn, *args) for k, fn, args in tasks)
+        done = Parallel(n_jobs=jobs, return_as="generator_unordered")(calls)
+    results = {}
+    for key, result, records in eval_cli.progress(done, len(tasks), desc, unit="fit"):
+        results[key] = result
+        if records:
+            on_warnings(records)
     return [results[k] for k in keys]
 
 
 def _keyed(key, fn, *args):
-    return key, fn(*args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args)
+    return key, result, [(w.category.__name__, str(w.message)) for w in caught]
 
 
 def run_svms(train_x: np.ndarray, train_labels: np.ndarray, test_x: np.ndarray, test_labels: np.ndarray,
-             classes: list[str], costs=DEFAULT_COSTS, jobs: int = -1, seed: int = SVM_SEED) -> SvmResult:
+             classes: list[str], costs=DEFAULT_COSTS, jobs: int = -1, seed: int = SVM_SEED,
+             on_warnings: WarningSink = _rewarn) -> SvmResult:
     """The protocol on raw features (normalized here) and VOC label matrices (1, -1, 0)."""
     costs = [float(c) for c in costs]
     # CSR is liblinear's own input layout: converting once here spares every fit a dense → sparse
@@ -173,17 +199,17 @@ def run_svms(train_x: np.ndarray, train_labels: np.ndarray, test_x: np.ndarray, 
     xtr = sp.csr_matrix(l2_normalize(train_x))
     xte = sp.csr_matrix(l2_normalize(test_x))
     ytr = training_targets(train_labels)
-    for c, name in enumerate(classes):
-        if (ytr[:, c] == 1).sum() < CV_FOLDS:  # the reference runs anyway; so do we, but say so
-            logger.warning("class %r has %d positive training images: some of the %d CV folds have none "
-                           "(their AP counts as 0, as in cross_val_score)", name, (ytr[:, c] == 1).sum(), CV_FOLDS)
+    few = [f"{name} ({(ytr[:, c] == 1).sum()})" for c, name in enumerate(classes) if (ytr[:, c] == 1).sum() < CV_FOLDS]
+    if few:  # the reference runs anyway; so do we, but say so once
+        logger.warning("%d-fold CV: %d classes have fewer than %d positive training images, so some folds have "
+                       "none and score AP 0, as in cross_val_score: %s", CV_FOLDS, len(few), CV_FOLDS, ", ".join(few))
     n_classes = len(classes)
     cv = _run([((c, j), cv_score, (xtr, ytr[:, c], cost, seed))
-               for c in range(n_classes) for j, cost in enumerate(costs)], jobs, "SVM cross-validation")
+               for c in range(n_classes) for j, cost in enumerate(costs)], jobs, "SVM cross-validation", on_warnings)
     cv_ap = np.array([folds.mean() for folds in cv]).reshape(n_classes, len(costs))
     chosen = np.array([costs[int(np.argmax(row))] for row in cv_ap])
     scores = _run([(c, fit_scores, (xtr, ytr[:, c], chosen[c], seed, xte)) for c in range(n_classes)],
-                  jobs, "SVM refit")
+                  jobs, "SVM refit", on_warnings)
     test_ap = np.empty(n_classes)
     for c in range(n_classes):
         keep, y = scoring_targets(test_labels, c)
@@ -202,73 +228,79 @@ def _parse_costs(text: str) -> list[float]:
     return costs
 
 
+def parser() -> argparse.ArgumentParser:
+    p = eval_cli.make_parser("python -m transfer.voc07_svm", __doc__)
+    eval_cli.add_checkpoint_args(p)
+    p.add_argument("--voc-root", required=True, help="VOC2007 folder (ImageSets/Main, JPEGImages)")
+    p.add_argument("--output-dir", required=True, help="metrics.json and the feature cache go here")
+    p.add_argument("--layers", default="res5avg", help=f"comma-separated, from {', '.join(LAYERS)}")
+    p.add_argument("--costs", type=_parse_costs, default=",".join(f"{c:g}" for c in DEFAULT_COSTS),
+                   help="comma-separated SVM costs C, searched per class by 3-fold CV")
+    p.add_argument("--train-split", default="trainval", help="split the SVMs are trained and cross-validated on")
+    p.add_argument("--test-split", default="test", help="split the APs are measured on")
+    eval_cli.add_size_args(p, "shorter side before the warp", "network input side (warp, no crop)")
+    eval_cli.add_loader_args(p, batch_size=32)
+    p.add_argument("--jobs", type=int, default=-1, help="parallel SVM fits (-1: all cores)")
+    p.add_argument("--cache-dir", default=None, help="feature cache (default OUT/features)")
+    return p
+
+
+@command
 def main(argv: list[str] | None = None) -> None:
-    from converters.checkpoint_io import CheckpointError, atomic_write, summary_lines
-    from transfer.datasets.readers import read_voc_labels
-    from transfer.features import LAYERS, FeatureCache, LayerFeatures, Preprocessing, load_model
-
-    parser = argparse.ArgumentParser(prog="python -m transfer.voc07_svm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", required=True, help="checkpoint in any layout the converters read")
-    parser.add_argument("--voc-root", required=True, help="VOC2007 folder (ImageSets/Main, JPEGImages)")
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--layers", default="res5avg", help=f"comma-separated, from {', '.join(LAYERS)}")
-    parser.add_argument("--costs", type=_parse_costs, default=list(DEFAULT_COSTS))
-    parser.add_argument("--train-split", default="trainval")
-    parser.add_argument("--test-split", default="test")
-    parser.add_argument("--encoder", default="query", choices=["query", "key"])
-    parser.add_argument("--layout", default="auto", help="force a checkpoint layout (see converters)")
-    parser.add_argument("--resize", type=int, default=256, help="shorter side before the warp")
-    parser.add_argument("--crop", type=int, default=224, help="network input side (warp, no crop)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=4, help="data loading processes")
-    parser.add_argument("--jobs", type=int, default=-1, help="parallel SVM fits (-1: all cores)")
-    parser.add_argument("--cache-dir", default=None, help="feature cache (default OUT/features)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-
+    costs = args.costs
     layers = [name.strip() for name in args.layers.split(",") if name.strip()]
     bad = [name for name in layers if name not in LAYERS]
     if bad or not layers:
-        sys.exit(f"error: --layers {args.layers!r}: expected names from {', '.join(LAYERS)}")
-    out = Path(args.output_dir)
-    try:
-        prep = Preprocessing(args.resize, args.crop, "warp")
-        train = read_voc_labels(args.voc_root, args.train_split)
-        test = read_voc_labels(args.voc_root, args.test_split)
-        check_disjoint(train.ids, test.ids, args.train_split, args.test_split)
-        if train.classes != test.classes:
-            raise ValueError(f"{args.voc_root}: classes of {args.train_split!r} and {args.test_split!r} differ")
-        model, backbone = load_model(args.weights, args.encoder, args.layout)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+        raise UserError(f"--layers {args.layers!r}: expected names from {', '.join(LAYERS)}")
+
+    from converters.checkpoint_io import atomic_write, summary_lines
+    from transfer.datasets.readers import read_voc_labels
+    from transfer.features import FeatureCache, LayerFeatures, Preprocessing, load_model
+
+    train = read_voc_labels(args.voc_root, args.train_split)
+    test = read_voc_labels(args.voc_root, args.test_split)
+    check_disjoint(train.ids, test.ids, args.train_split, args.test_split)
+    if train.classes != test.classes:
+        raise UserError(f"{args.voc_root}: classes of {args.train_split!r} and {args.test_split!r} differ")
+    model, backbone = load_model(args.weights, args.encoder, args.layout)
+    resize, crop = eval_cli.resolve_size(args.resize, args.crop, backbone.image_size)
+    prep = Preprocessing(resize, crop, "warp")
+    # The inputs are valid; before the long work, prove the outputs can be written.
+    out = ensure_writable_dir(args.output_dir, "--output-dir")
+    if args.cache_dir:
+        ensure_writable_dir(args.cache_dir, "--cache-dir")
     for line in summary_lines(backbone):
         logger.info(line)
 
-    transform = prep.transform()
-    train.images.transform = test.images.transform = transform
-    cache = FeatureCache(args.cache_dir or out / "features", args.weights, args.encoder, prep)
-    kwargs = dict(batch_size=args.batch_size, workers=args.workers)
-    make = lambda names: LayerFeatures(model, names)  # noqa: E731
-    train_feats = cache.get(make, train.images, args.train_split, layers, **kwargs)
-    test_feats = cache.get(make, test.images, args.test_split, layers, **kwargs)
+    with eval_cli.summarised_warnings("transfer.voc07_svm") as caught:
+        transform = prep.transform()
+        train.images.transform = test.images.transform = transform
+        cache = FeatureCache(args.cache_dir or out / "features", args.weights, args.encoder, prep)
+        kwargs = dict(batch_size=args.batch_size, workers=args.workers)
+        make = lambda names: LayerFeatures(model, names)  # noqa: E731
+        train_feats = cache.get(make, train.images, args.train_split, layers, **kwargs)
+        test_feats = cache.get(make, test.images, args.test_split, layers, **kwargs)
 
-    described = LayerFeatures(model, layers).describe(args.crop)
-    metrics = {"protocol": "voc07_svm", "checkpoint": str(args.weights), "encoder": args.encoder,
-               "backbone": {"arch": backbone.arch, "stem": backbone.stem, "layout": backbone.layout},
-               "preprocessing": prep.describe(),
-               "svm": {**{k: v for k, v in SVM_PARAMS.items() if k != "class_weight"}, "class_weight": "{1: 2, -1: 1}",
-                       "cv_folds": CV_FOLDS, "cv_scoring": "average_precision", "seed": SVM_SEED,
-                       "features": "L2-normalized, float64", "test_ap": "all-point interpolated"},
-               "train": {"split": args.train_split, "images": len(train.ids)},
-               "test": {"split": args.test_split, "images": len(test.ids)},
-               "layers": {}}
-    for name in layers:
-        start = time.time()
-        result = run_svms(train_feats[name], train.labels, test_feats[name], test.labels, train.classes,
-                          args.costs, args.jobs)
-        metrics["layers"][name] = {**described[name], **result.to_json(), "svm_seconds": time.time() - start}
-        logger.info("%s (%d-d): VOC07 SVM mAP %.2f", name, described[name]["dim"], result.map)
-        atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
+        described = LayerFeatures(model, layers).describe(crop)
+        metrics = {"protocol": "voc07_svm", "checkpoint": str(args.weights), "encoder": args.encoder,
+                   "backbone": {"arch": backbone.arch, "stem": backbone.stem, "layout": backbone.layout,
+                                "pretraining_image_size": backbone.image_size},
+                   "preprocessing": prep.describe(),
+                   "svm": {**{k: v for k, v in SVM_PARAMS.items() if k != "class_weight"},
+                           "class_weight": "{1: 2, -1: 1}", "cv_folds": CV_FOLDS, "cv_scoring": "average_precision",
+                           "seed": SVM_SEED, "features": "L2-normalized, float64", "test_ap": "all-point interpolated"},
+                   "train": {"split": args.train_split, "images": len(train.ids)},
+                   "test": {"split": args.test_split, "images": len(test.ids)},
+                   "layers": {}}
+        for name in layers:
+            start = time.time()
+            result = run_svms(train_feats[name], train.labels, test_feats[name], test.labels, train.classes,
+                              costs, args.jobs, on_warnings=caught.add)
+            metrics["layers"][name] = {**described[name], **result.to_json(), "svm_seconds": time.time() - start}
+            logger.info("%s (%d-d): VOC07 SVM mAP %.2f", name, described[name]["dim"], result.map)
+            atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
     print(json.dumps({name: round(m["mAP"], 2) for name, m in metrics["layers"].items()}))
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 import transfer.features as features
 import transfer.linear as linear
+import transfer.linear_probe as linear_probe
 from converters.checkpoint_io import load_backbone
 from transfer.features import LayerFeatures, Preprocessing, pool, pooling_for
 from transfer.knn import knn_scores, topk_accuracy
@@ -122,8 +123,8 @@ def probe_args(ckpt, root, out, *extra):
 
 def test_linear_probe_leaves_backbone_bit_identical(synthetic_root, random_checkpoint, tmp_path, monkeypatch):
     loaded = []
-    real = linear.load_model
-    monkeypatch.setattr(linear, "load_model", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    real = linear_probe.load_model
+    monkeypatch.setattr(linear_probe, "load_model", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
     linear.main(probe_args(random_checkpoint, synthetic_root, tmp_path))
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["backbone_unchanged"] and metrics["feature"]["dim"] == 4 * 512
@@ -143,17 +144,17 @@ def test_linear_probe_resume_repeats_the_run(synthetic_root, random_checkpoint, 
     full = json.loads((tmp_path / "full" / "metrics.json").read_text())["history"]
 
     saves = []
-    real_save = linear.atomic_torch_save
+    real_save = linear_probe.atomic_torch_save
 
     def save_then_stop(obj, path):
         real_save(obj, path)
         saves.append(path)
         raise KeyboardInterrupt  # "killed" right after the first epoch's checkpoint
 
-    monkeypatch.setattr(linear, "atomic_torch_save", save_then_stop)
+    monkeypatch.setattr(linear_probe, "atomic_torch_save", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
         linear.main(probe_args(random_checkpoint, synthetic_root, tmp_path / "cut"))
-    monkeypatch.setattr(linear, "atomic_torch_save", real_save)
+    monkeypatch.setattr(linear_probe, "atomic_torch_save", real_save)
     with pytest.raises(SystemExit, match="--resume"):  # never overwrites a run silently
         linear.main(probe_args(random_checkpoint, synthetic_root, tmp_path / "cut"))
     linear.main(probe_args(random_checkpoint, synthetic_root, tmp_path / "cut", "--resume"))

@@ -9,6 +9,7 @@ from sklearn.svm import LinearSVC
 
 from transfer.datasets.readers import read_voc_labels
 from transfer.datasets.synthetic import VOC_CLASSES
+from contrastive_transfer.cli import UserError
 from transfer.voc07_svm import check_disjoint, main, run_svms, scoring_targets, training_targets, voc_ap
 
 # ------------------------------------------------------------------------------------------- AP
@@ -159,11 +160,11 @@ def test_synthetic_voc_labels_match_the_generated_objects(synthetic_root, synthe
 def test_testing_on_trainval_is_refused(synthetic_root, tmp_path):
     voc = synthetic_root / "VOC2007"
     trainval = read_voc_labels(voc, "trainval").ids
-    with pytest.raises(ValueError, match="shares 40 of its 40 images"):
+    with pytest.raises(UserError, match="shares 40 of its 40 images"):
         check_disjoint(trainval, trainval, "trainval", "trainval")
-    with pytest.raises(ValueError, match="shares"):  # a partial overlap is refused too
+    with pytest.raises(UserError, match="shares"):  # a partial overlap is refused too
         check_disjoint(trainval, read_voc_labels(voc, "val").ids, "trainval", "val")
-    with pytest.raises(ValueError, match="not the 4952"):
+    with pytest.raises(UserError, match="not the 4952"):
         check_disjoint([str(i) for i in range(5011)], ["x"] * 4000, "trainval", "test")
     with pytest.raises(SystemExit, match="training split 'trainval'"):
         main(["--weights", str(tmp_path / "unused.pth"), "--voc-root", str(voc), "--test-split", "trainval",

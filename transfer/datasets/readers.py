@@ -19,8 +19,14 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import find_classes, make_dataset, IMG_EXTENSIONS
 
+from contrastive_transfer.cli import UserError
+
 PLACES205_LISTS = "trainvalsplit_places205"
 PLACES205_IMAGES = "data/vision/torralba/deeplearning/images256"
+
+
+class DatasetError(UserError, ValueError):
+    """A dataset folder or file list that does not have the expected layout (one line)."""
 
 
 @dataclass
@@ -75,11 +81,11 @@ def read_places205(root: str | os.PathLike, split: str) -> ImageList:
             continue
         parts = line.split()
         if len(parts) != 2 or not parts[1].lstrip("-").isdigit() or int(parts[1]) < 0:
-            raise ValueError(f"{listing}:{n}: expected '<relative/path.jpg> <label >= 0>', got {line!r}")
+            raise DatasetError(f"{listing}:{n}: expected '<relative/path.jpg> <label >= 0>', got {line!r}")
         paths.append(str(root / PLACES205_IMAGES / parts[0]))
         labels.append(int(parts[1]))
     if not paths:
-        raise ValueError(f"{listing}: no images listed")
+        raise DatasetError(f"{listing}: no images listed")
     # Class names from the folder part of the paths (``a/abbey/x.jpg`` → ``a/abbey``), by label.
     names: dict[int, str] = {}
     for p, y in zip(paths, labels):
@@ -121,12 +127,12 @@ def read_voc_labels(voc_root: str | os.PathLike, split: str) -> VocLabels:
         rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
         bad = next((r for r in rows if len(r) != 2 or r[1] not in ("1", "-1", "0")), None)
         if bad is not None:
-            raise ValueError(f"{path}: expected lines '<image id> <1|-1|0>', got {' '.join(bad)!r}")
+            raise DatasetError(f"{path}: expected lines '<image id> <1|-1|0>', got {' '.join(bad)!r}")
         these = [r[0] for r in rows]
         if ids is None:
             ids = these
         elif these != ids:
-            raise ValueError(f"{path}: lists other image ids (or another order) than {files[0]}")
+            raise DatasetError(f"{path}: lists other image ids (or another order) than {files[0]}")
         columns.append([int(r[1]) for r in rows])
     labels = np.asarray(columns, dtype=np.int8).T
     paths = [str(voc_root / "JPEGImages" / f"{i}.jpg") for i in ids]
