@@ -3,7 +3,7 @@
 Reproducibility contract: the augmentation of sample ``index`` in ``epoch`` depends only on
 ``(seed, epoch, index)``, never on the number of workers, the rank, the batch it is fetched in
 or where a run was resumed. The permutation of an epoch depends only on ``(seed, epoch)``.
-Recipes follow docs/methods.md §1.1; the 224 px constants are scaled to ``image_size``. Each
+Recipes follow docs/methods.md (Augmentation recipes); the 224 px constants are scaled to ``image_size``. Each
 view is a ``ViewTransform`` (pretrain/augment.py): crop and flip per sample, colour ops batched
 over the DataLoader's batch with per-sample parameters.
 

@@ -1,6 +1,6 @@
 """pretrain.augment: each batched photometric op against torchvision's functional op applied one
 sample at a time with the same parameters; the stages' parameter draws against the recipes of
-docs/methods.md §1.1; a whole view against a torchvision-functional reference; and per-sample
+docs/methods.md (Augmentation recipes); a whole view against a torchvision-functional reference; and per-sample
 reproducibility whatever the batch composition, batch size or number of workers."""
 
 import itertools
@@ -133,7 +133,7 @@ def test_cpu_jitter_kernel_equals_the_torch_path_for_every_order(jitter):
     torch.testing.assert_close(got[~params["apply"]], x[~params["apply"]], atol=0, rtol=0)
 
 
-# Recipe values written from docs/methods.md §1.1 (jitter strengths, probabilities, σ range).
+# Recipe values written from docs/methods.md (Augmentation recipes) (jitter strengths, probabilities, σ range).
 RECIPE_DRAWS = {
     ("mocov1", 0): {"gray": 0.2, "jitter": (1.0, 0.4, 0.4, 0.4, 0.4)},  # gray before jitter
     ("mocov2", 0): {"jitter": (0.8, 0.4, 0.4, 0.4, 0.1), "gray": 0.2, "blur": 0.5},

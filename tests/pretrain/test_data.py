@@ -1,4 +1,4 @@
-"""pretrain.data: recipe parameters against docs/methods.md §1.1, normalization, per-sample
+"""pretrain.data: recipe parameters against docs/methods.md (Augmentation recipes), normalization, per-sample
 reproducibility (workers, epochs, resume), the sharded sampler, and robustness to bad files."""
 
 import shutil
@@ -51,7 +51,7 @@ def tail_is_float_normalize(pipeline):
             and isinstance(norm, v2.Normalize) and tuple(norm.mean) == MEAN and tuple(norm.std) == STD)
 
 
-# Written from docs/methods.md §1.1 at 224 px (blur kernel 23 = 10% of the side, odd).
+# Written from docs/methods.md (Augmentation recipes) at 224 px (blur kernel 23 = 10% of the side, odd).
 CROP = lambda lo, interp=BILINEAR: ("crop", (224, 224), (lo, 1.0), interp)  # noqa: E731
 BLUR = lambda p: ("blur", (23, 23), (0.1, 2.0), p)  # noqa: E731
 EXPECTED = {
