@@ -11,27 +11,38 @@ The papers' diagnostics; each writes a PNG plus CSV/JSON into its output folder.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from pretrain.analysis import curves, mi_toy, negatives, npc
-from pretrain.analysis.common import AnalysisError
+from contrastive_transfer.cli import DEBUG_HELP, command
 
-# subcommand -> module with HELP, add_arguments(parser) and cli(args)
-COMMANDS = {"mi-toy": mi_toy, "npc": npc, "curves": curves, "negatives": negatives}
+# subcommand -> (module of pretrain.analysis with add_arguments(parser) and cli(args), its help).
+# Only the chosen subcommand's module is imported (they import torch), so --help answers at once.
+COMMANDS = {
+    "mi-toy": ("mi_toy", "EqCo appendix C / Table 9: InfoNCE vs EqCo MI estimates on correlated Gaussians across K"),
+    "npc": ("npc", "DCL Figure 1: the NPC multiplier q_B of a checkpoint over a dataset for several batch sizes"),
+    "curves": ("curves", "loss, lr, MI bound, gradient-norm and kNN curves of a run from RUN_DIR/metrics.jsonl"),
+    "negatives": ("negatives", "AdCo Figure 2: 2-D projection of the MoCo queue / AdCo adversaries next to recent "
+                  "queries"),
+}
 
 
+@command
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m pretrain.analysis", description=__doc__.splitlines()[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[4:]))
+                                     epilog="\n".join(__doc__.splitlines()[4:]) + "\n" + DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in COMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    chosen = next((arg for arg in argv if arg in COMMANDS), None)
+    modules = {}
+    for name, (module_name, text) in COMMANDS.items():
+        subparser = sub.add_parser(name, help=text, description=text)
+        if name == chosen:
+            modules[name] = importlib.import_module(f"pretrain.analysis.{module_name}")
+            modules[name].add_arguments(subparser)
     args = parser.parse_args(argv)
-    try:
-        COMMANDS[args.command].cli(args)
-    except (AnalysisError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    modules[args.command].cli(args)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
+from contrastive_transfer.cli import UserError
 from converters.checkpoint_io import atomic_write
 
 
-class AnalysisError(ValueError):
+class AnalysisError(UserError, ValueError):
     """Bad input to a diagnostic; the message is one line naming the file, key or value."""
 
 

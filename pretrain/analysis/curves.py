@@ -107,9 +107,6 @@ def run(run_dir: Path, out_dir: Path | None = None) -> dict[str, Path]:
 
 # ------------------------------------------------------------------------------------ command line
 
-HELP = "loss, lr, MI bound, gradient-norm and kNN curves of a run from RUN_DIR/metrics.jsonl"
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a pretraining output folder (train.output_dir)")
     parser.add_argument("--out", type=Path, help="output folder (default RUN_DIR/analysis)")

@@ -247,9 +247,6 @@ def run(cfg: ToyConfig, out_dir: Path) -> dict:
 
 # ------------------------------------------------------------------------------------ command line
 
-HELP = "EqCo appendix C / Table 9: InfoNCE vs EqCo MI estimates on correlated Gaussians across K"
-
-
 def add_arguments(parser) -> None:
     d = ToyConfig()
     parser.add_argument("--quick", action="store_true",

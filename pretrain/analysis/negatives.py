@@ -158,9 +158,6 @@ def run(run_dir: Path, out_dir: Path | None = None, checkpoint: Path | None = No
 
 # ------------------------------------------------------------------------------------ command line
 
-HELP = "AdCo Figure 2: 2-D projection of the MoCo queue / AdCo adversaries next to recent queries"
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a pretraining output folder (train.output_dir)")
     parser.add_argument("--checkpoint", type=Path, help="training checkpoint (default RUN_DIR/checkpoint_last.pth)")

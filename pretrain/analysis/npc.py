@@ -196,9 +196,6 @@ def run(checkpoint: Path, out_dir: Path | None = None, data: str | None = None, 
 
 # ------------------------------------------------------------------------------------ command line
 
-HELP = "DCL Figure 1: the NPC multiplier q_B of a checkpoint over a dataset for several batch sizes"
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
                         help="checkpoint_last.pth (projection the loss sees) or a backbone checkpoint")
