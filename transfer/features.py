@@ -92,8 +92,8 @@ class LayerFeatures(nn.Module):
 
     def describe(self, crop: int) -> dict[str, dict]:
         """Per layer: feature dim, map size and pooling for a crop×crop input."""
-        with torch.no_grad():
-            maps = self.body(torch.zeros(1, 3, crop, crop))
+        with torch.no_grad():  # the probe lives where the model does (a CUDA, float64 or meta model)
+            maps = self.body(torch.zeros(1, 3, crop, crop, **like(self.body)))
         out = {}
         for name in self.layers:
             fmap = maps[LAYERS[name].node]
@@ -102,6 +102,12 @@ class LayerFeatures(nn.Module):
                          "pooling": "global average" if ops is None else
                          {"kernel": list(ops[0]), "stride": list(ops[1]), "pad": list(ops[2])}}
         return out
+
+
+def like(model: nn.Module) -> dict:
+    """``device`` and ``dtype`` of the model's first parameter, for the tensors fed to it."""
+    param = next(model.parameters())
+    return {"device": param.device, "dtype": param.dtype}
 
 
 def default_device() -> torch.device:
@@ -118,7 +124,7 @@ def extract(extractor: LayerFeatures, dataset, batch_size: int = 32, workers: in
                         pin_memory=device.type == "cuda")
     chunks: dict[str, list[np.ndarray]] = {name: [] for name in extractor.layers}
     for images, _ in progress(loader, len(loader), desc):
-        for name, feats in extractor(images.to(device, non_blocking=True)).items():
+        for name, feats in extractor(images.to(non_blocking=True, **like(extractor))).items():
             chunks[name].append(feats.float().cpu().numpy())
     return {name: np.concatenate(c) for name, c in chunks.items()}
 

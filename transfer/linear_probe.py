@@ -18,7 +18,7 @@ from torchvision.transforms import v2
 from contrastive_transfer.cli import UserError
 from transfer import eval_cli
 from transfer.features import (IMAGENET_MEAN, IMAGENET_STD, LayerFeatures, Preprocessing, default_device,
-                               file_digest, load_model)
+                               file_digest, like, load_model)
 from transfer.knn import topk_accuracy
 from transfer.linear import CHECKPOINT, PRESETS
 
@@ -69,7 +69,7 @@ def evaluate(features: LayerFeatures, layer: str, head: nn.Module, loader, devic
     head.eval()
     scores, labels = [], []
     for x, y in loader:
-        scores.append(head(features(x.to(device))[layer]).float().cpu())
+        scores.append(head(features(x.to(**like(features)))[layer]).float().cpu())
         labels.append(y)
     return topk_accuracy(torch.cat(scores), torch.cat(labels))
 
@@ -118,7 +118,7 @@ def run(args) -> dict:
     described = features.describe(crop)[preset.layer]
     dim, channels = described["dim"], described["map"][0]
     torch.manual_seed(args.seed)  # the fc initialization
-    head = build_head(dim, channels, num_classes, preset.head_bn).to(device)
+    head = build_head(dim, channels, num_classes, preset.head_bn).to(**like(features))
     optimizer = torch.optim.SGD(head.parameters(), lr=preset.lr, momentum=preset.momentum,
                                 nesterov=preset.nesterov, weight_decay=preset.weight_decay)
     identity = {"checkpoint_sha256": file_digest(args.weights), "encoder": args.encoder, "dataset": args.dataset,
@@ -151,7 +151,7 @@ def run(args) -> dict:
         total, count = 0.0, 0
         for x, y in eval_cli.progress(loader, len(loader), f"linear probe, epoch {epoch + 1}/{preset.epochs}"):
             with torch.no_grad():
-                f = features(x.to(device))[preset.layer]
+                f = features(x.to(**like(features)))[preset.layer]
             loss = F.cross_entropy(head(f), y.to(device))
             first_loss = check_divergence(loss.item(), first_loss, preset.lr)
             optimizer.zero_grad(set_to_none=True)

@@ -167,3 +167,23 @@ def test_voc07_svm_on_the_tiny_voc_prints_each_warning_once(synthetic_root, proj
     summaries = [r.getMessage() for r in caplog.records if "Warning:" in r.getMessage()]
     assert len(summaries) == len({s.split(" (and")[0].split(" only")[0] for s in summaries})
     assert json.loads((tmp_path / "metrics.json").read_text())["layers"]["res5avg"]["mAP"] > 0
+
+
+# ------------------------------------------------------------------------- the model's device
+
+def test_probe_and_batches_follow_the_models_device_and_dtype():
+    """Every tensor fed to the model is created where the model lives: a float64 model gets float64
+    inputs, and a model on the meta device (no data anywhere) can still be described. A probe made
+    with a bare torch.zeros(...) on the CPU fails both."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().double().eval()
+    extractor = features.LayerFeatures(model, ["res5avg", "res4"])
+    described = extractor.describe(64)
+    assert described["res5avg"]["dim"] == 512 and described["res4"]["dim"] == 256 * 9
+    images = [(torch.rand(3, 64, 64), 0) for _ in range(3)]  # float32, as the transforms produce
+    feats = features.extract(extractor, images, batch_size=2, device=torch.device("cpu"))
+    expected = model.avgpool(extractor.body(torch.stack([x for x, _ in images]).double())["layer4"]).flatten(1)
+    torch.testing.assert_close(torch.as_tensor(feats["res5avg"]).double(), expected.float().double())
+    with torch.device("meta"):
+        meta = torchvision.models.resnet18()
+    assert features.LayerFeatures(meta, ["res5"]).describe(96)["res5"]["map"] == [512, 3, 3]
