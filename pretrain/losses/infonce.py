@@ -116,11 +116,16 @@ def sample_negatives(
     k: int,
     mode: str = "per_query",
     generator: torch.Generator | None = None,
+    row_offset: int = 0,
+    total_rows: int | None = None,
 ) -> torch.Tensor:
     """Choose k of the K negative columns uniformly without replacement: (N, K) -> (N, k).
 
     mode="per_query": an independent choice for each row (EqCo's "K negatives per query").
     mode="per_batch": one choice shared by all rows (cheaper).
+    With several processes, pass this process's rows of the global batch (``row_offset``,
+    ``total_rows``) and a random state shared by all processes: each draws the choices of all
+    ``total_rows`` rows and keeps its own, so the result does not depend on the process count.
     ``generator`` must live on ``neg.device``. Gradients flow to the selected entries.
     """
     if mode not in SAMPLING_MODES:
@@ -131,7 +136,7 @@ def sample_negatives(
     if mode == "per_batch":
         return neg[:, torch.randperm(available, generator=generator, device=neg.device)[:k]]
     # The top-k of i.i.d. uniforms is a uniformly random k-subset, one per row.
-    scores = torch.rand(n, available, generator=generator, device=neg.device)
+    scores = torch.rand(total_rows or n, available, generator=generator, device=neg.device)[row_offset:row_offset + n]
     return neg.gather(1, scores.topk(k, dim=1).indices)
 
 

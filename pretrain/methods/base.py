@@ -24,6 +24,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
+from pretrain import dist
 from pretrain.config import ConfigError
 from pretrain.data import build_view_transforms
 from pretrain.diagnostics import contrastive_stats
@@ -149,7 +150,9 @@ class InfoNCEHost(Method):
         multiplier), so that DCL/dual-temperature runs compare with their InfoNCE hosts.
         """
         if self.num_negatives is not None:
-            neg = sample_negatives(neg, self.num_negatives, self.negative_sampling)
+            n = neg.shape[0]
+            neg = sample_negatives(neg, self.num_negatives, self.negative_sampling,
+                                   row_offset=dist.rank_offset(n), total_rows=n * dist.world_size())
         k = neg.shape[1]
         margin = 0.0 if self.eqco_alpha is None else eqco_margin(self.temperature, self.eqco_alpha, k)
         if self.criterion is None:

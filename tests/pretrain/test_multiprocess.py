@@ -49,6 +49,8 @@ from torch import nn
 
 from pretrain import dist
 from pretrain.config import load_config
+from pretrain.losses import sample_negatives
+from pretrain.methods import base as methods_base
 from pretrain.methods import METHODS
 from pretrain.models import Encoder, build_head, convert_sync_batchnorm
 
@@ -312,6 +314,10 @@ CONTROLS: dict[str, tuple[tuple[str, ...], Callable[[], contextlib.AbstractConte
     "per_process_weights": (("method.dclw_per_process=true",), contextlib.nullcontext),
     # the official AdCo on several nodes: the positive's column from the local index only
     "local_offset": ((), lambda: mock.patch.object(dist, "rank_offset", lambda n_local: 0)),
+    # each rank draws choices for its own rows only: with a shared seed both ranks draw the same ones
+    "draw_per_process": ((), lambda: mock.patch.object(
+        methods_base, "sample_negatives",
+        lambda neg, k, mode, row_offset=0, total_rows=None: sample_negatives(neg, k, mode))),
     # shuffle BN that never leaves the process: each key encoder normalizes its own samples
     "no_shuffle": ((), lambda: mock.patch.object(dist, "shuffle_batch",
                                                  lambda x: (x, torch.arange(WORLD * x.shape[0])))),
@@ -324,7 +330,6 @@ class Case:
     overrides: tuple[str, ...] = ()
     controls: tuple[str, ...] = ()
     view_sizes: tuple[int, ...] = (SIZE_TINY, SIZE_TINY)  # key crop first for AdCo's multi-crop
-    rng_skip: int = 0  # uniforms rank r skips, ×r, so its random draws continue rank 0's like one process's rows
 
 
 ADCO = ("method.bank_init=fill", f"method.bank_size={B}", "method.bn_splits=1")  # step 1 fills, then adversarial
@@ -335,9 +340,9 @@ CASES = {
                                    controls=("per_process_weights", "naive_weight_gather")),
     "simclr_eqco": Case("tiny_simclr_eqco", ("method.eqco_alpha=64",), controls=("naive_gather",)),
     "simo_eqco": Case("tiny_simo", controls=("local_offset",)),  # K = B − 1
-    # per-query sampling draws torch.rand(N_local, B − 1): rank 1 continues after rank 0's rows
+    # per-query sampling: every rank draws the global batch's choices and keeps its own rows
     "simo_sampled": Case("tiny_simo", ("method.num_negatives=3", "method.negative_sampling=per_query"),
-                         controls=("local_offset",), rng_skip=N * (B - 1)),
+                         controls=("local_offset", "draw_per_process")),
     "simmoco": Case("tiny_simmoco", controls=("local_offset",)),
     "simco": Case("tiny_simco", controls=("naive_gather",)),
     "moco": Case("tiny_mocov2", (f"method.queue_size={2 * B}", "method.bn_splits=1"), controls=("no_shuffle",)),
@@ -386,7 +391,6 @@ def _run(case: Case, rank: int | None, control: str | None = None) -> dict:
         if rank is not None:
             views = [v[rank * N:(rank + 1) * N] for v in views]
         torch.manual_seed(100 + step)  # every rank as the reference: shuffle BN keeps rank 0's draw
-        torch.rand(case.rng_skip * (rank or 0))
         with patch():
             loss = method(views)["loss"]
         optimizer.zero_grad(set_to_none=True)
