@@ -59,6 +59,9 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "log_every": 10,
         "diagnostics_every": 50,  # steps with ‖∂L/∂q‖ (costs a retained gradient)
         "cpu": False,  # force CPU even when CUDA is available
+        "channels_last": None,  # NHWC memory for the encoders and images; null: on CUDA yes, on CPU no
+        "cudnn_benchmark": None,  # cuDNN picks the fastest convolution per shape; null: on CUDA yes
+        "compile": False,  # torch.compile the encoders (minutes of compilation at start; off by default)
     },
     "knn": {  # optional kNN monitor on a labelled ImageFolder, every `every_epochs` epochs
         "train_dir": None,
@@ -153,6 +156,9 @@ def validate(cfg: DictConfig, num_processes: int) -> None:
     if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale <= 1):
         raise ConfigError(f"data.min_crop_scale={scale!r}: expected null (the recipe's) or a fraction of the "
                           "image area in (0, 1]")
+    for key in ("train.channels_last", "train.cudnn_benchmark", "train.compile"):
+        if OmegaConf.select(cfg, key) not in (None, True, False):
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected true, false or null (automatic)")
     if cfg.train.max_steps is not None and cfg.train.max_steps <= 0:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps}: expected a positive integer or null")
     METHODS[cfg.method.name].check(cfg, num_processes)

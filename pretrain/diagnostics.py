@@ -33,9 +33,10 @@ def contrastive_stats(pos: torch.Tensor, neg: torch.Tensor, temperature: float, 
 
 
 @torch.no_grad()
-def grad_norm_stats(q: torch.Tensor | None) -> dict[str, float]:
-    """Mean and std of ‖∂L/∂q_i‖ over the watched queries (empty when nothing was watched)."""
+def grad_norm_stats(q: torch.Tensor | None, loss_scale: float = 1.0) -> dict[str, float]:
+    """Mean and std of ‖∂L/∂q_i‖ over the watched queries (empty when nothing was watched).
+    ``loss_scale``: the fp16 gradient scaler's factor, which the retained gradient carries."""
     if q is None or q.grad is None:
         return {}
-    norms = q.grad.float().flatten(1).norm(dim=1)
+    norms = q.grad.float().flatten(1).norm(dim=1) / loss_scale
     return {"grad_q_norm_mean": norms.mean().item(), "grad_q_norm_std": norms.std(unbiased=False).item()}

@@ -38,6 +38,8 @@ class SplitBatchNorm(nn.BatchNorm2d):
         s = self.num_splits
         if not self.training or s == 1:
             return super().forward(x)
+        if not x.is_contiguous():  # channels_last: the sub-batch view below needs NCHW memory
+            return self.forward(x.contiguous()).contiguous(memory_format=torch.channels_last)
         if n % s:
             raise ValueError(f"SplitBatchNorm: batch of {n} is not divisible by num_splits={s} "
                              "(set method.bn_splits to a divisor of the per-process batch)")
@@ -128,8 +130,11 @@ def momentum_copy(encoder: nn.Module) -> nn.Module:
 def momentum_update(online: nn.Module, target: nn.Module, m: float) -> None:
     """target ← m·target + (1−m)·online for parameters only; buffers (BN statistics) are not
     averaged, as in MoCo: the target runs its own train-mode forwards."""
-    for p_o, p_t in zip(online.parameters(), target.parameters()):
-        p_t.mul_(m).add_(p_o.detach(), alpha=1.0 - m)
+    targets = list(target.parameters())
+    # One fused kernel per op for all tensors instead of two per tensor (~330 launches a step for
+    # ResNet-50 on a GPU); the same arithmetic, so the same bits.
+    torch._foreach_mul_(targets, m)
+    torch._foreach_add_(targets, [p.detach() for p in online.parameters()], alpha=1.0 - m)
 
 
 class ProcessGroupBatchNorm(nn.modules.batchnorm._BatchNorm):

@@ -41,18 +41,26 @@ class LARS(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad.clone()
-                if group["lars"]:
-                    w_norm, g_norm = p.norm(), g.norm()
-                    trust = torch.where((w_norm > 0) & (g_norm > 0), group["eta"] * w_norm / g_norm,
-                                        torch.ones_like(w_norm))
-                    g.mul_(trust)
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(g, alpha=group["lr"])
-                p.sub_(buf)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            # torch._foreach_* ops: one fused kernel per op over all tensors of the group instead
+            # of a Python loop of several kernels per tensor; the arithmetic is the loop's.
+            grads = [p.grad for p in params]
+            if group["weight_decay"]:
+                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+            else:
+                grads = [g.clone() for g in grads]
+            if group["lars"]:
+                w_norm = torch.stack(torch._foreach_norm(params))
+                g_norm = torch.stack(torch._foreach_norm(grads))
+                trust = torch.where((w_norm > 0) & (g_norm > 0), group["eta"] * w_norm / g_norm,
+                                    torch.ones_like(w_norm))
+                torch._foreach_mul_(grads, list(trust.unbind()))
+            bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+            torch._foreach_mul_(bufs, group["momentum"])
+            torch._foreach_add_(bufs, grads, alpha=group["lr"])
+            torch._foreach_sub_(params, bufs)
         return loss
 
 

@@ -10,6 +10,8 @@ margin in rounding. float64 inputs stay float64 (tests use it).
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import torch
@@ -35,9 +37,22 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _no_autocast(x: torch.Tensor) -> torch.autocast:
-    # Explicit casts are not enough: CUDA autocast would run a matmul on fp32 inputs in fp16.
-    return torch.autocast(device_type=x.device.type, enabled=False)
+@contextlib.contextmanager
+def _no_autocast(x: torch.Tensor):
+    """Exact fp32 for similarities and logits, whatever the run's precision settings.
+
+    Explicit casts are not enough: CUDA autocast would run a matmul on fp32 inputs in fp16, and
+    with TF32 allowed (a common global setting for speed) an fp32 matmul keeps only 10 mantissa
+    bits, which moves logits at τ = 0.07 by more than EqCo's margins. Both are switched off here
+    only, and restored after."""
+    matmul = torch.backends.cuda.matmul
+    allowed = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            yield
+    finally:
+        matmul.allow_tf32 = allowed
 
 
 def reduce_loss(loss: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -156,9 +171,11 @@ def in_batch_similarities(
         sim = _fp32(q) @ _fp32(keys).T
     n, m = sim.shape
     rows = torch.arange(n, device=sim.device)
-    keep = torch.ones_like(sim, dtype=torch.bool)
-    keep[rows, rows + offset] = False
-    return sim[rows, rows + offset], sim[keep].view(n, m - 1)
+    # Column j of row i's negatives is key j, or j + 1 past the positive: an index gather, not a
+    # boolean mask, whose result size the device would have to report to the host.
+    cols = torch.arange(m - 1, device=sim.device).expand(n, -1)
+    cols = cols + (cols >= (rows + offset).unsqueeze(1))
+    return sim[rows, rows + offset], sim.gather(1, cols)
 
 
 def nt_xent_similarities(

@@ -116,11 +116,15 @@ class AdCo(QueryKeyEncoders, Method):
         self.bank = AdversarialBank(m.dim, m.bank_size)
         # Columns of W written so far by the filling steps (all of them with bank_init=random).
         self.register_buffer("filled", torch.tensor(0 if m.bank_init == "fill" else m.bank_size))
+        # Its host copy, used by the step (reading the buffer would wait for the GPU); a loaded
+        # state sets it once.
+        self.filled_count = int(self.filled)
+        self.register_load_state_dict_post_hook(lambda module, _: setattr(module, "filled_count", int(module.filled)))
         self.pending: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None
 
     @property
     def filling(self) -> bool:
-        return int(self.filled) < self.bank.size
+        return self.filled_count < self.bank.size
 
     def view_pairs(self) -> list[tuple[int, int, float]]:
         """(query view, key view, loss weight) of every contrasted pair."""
@@ -167,14 +171,17 @@ class AdCo(QueryKeyEncoders, Method):
         return total, logs
 
     @torch.no_grad()
-    def after_step(self) -> None:
+    def after_step(self, skipped: bool = False) -> None:
         """Fill the bank with this step's keys, or move the adversaries up the loss of this step's
-        forward (pre-step queries, same bank), the gradients of the pairs summed."""
+        forward (pre-step queries, same bank), the gradients of the pairs summed. When the gradient
+        scaler skipped the network's step (fp16 overflow), the adversaries stay too: the two are
+        one min-max step."""
         pending, self.pending = self.pending, None
-        if pending is None:
+        if pending is None or (skipped and not self.filling):
             return
         if self.filling:
-            self.filled.fill_(self.bank.fill(pending[0][1], int(self.filled)))
+            self.filled_count = self.bank.fill(pending[0][1], self.filled_count)
+            self.filled.fill_(self.filled_count)
             if not self.filling:  # full: the key encoder restarts from the query encoder
                 for p_q, p_k in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
                     p_k.copy_(p_q)

@@ -10,7 +10,7 @@ pointers as buffers), so one ``state_dict`` resumes it. The engine only relies o
 * ``view_transforms(cfg)``: the augmentation of each view the method consumes (two views of
   ``data.augmentation`` unless the method wants more, e.g. AdCo's multi-crop);
 * ``forward(views) -> dict``: ``"loss"`` (scalar with gradient) plus detached scalars to log;
-* ``after_step()``: called after every optimizer step, for state updates that must see the
+* ``after_step(skipped)``: called after every optimizer step, for state updates that must see the
   stepped network or the step's forward (e.g. AdCo's adversary ascent); a no-op by default;
 * ``backbone`` / ``momentum_backbone``: the torchvision ResNets exported in ``checkpoint_final.pth``;
 * ``watch_grad``: when the engine sets it, the method keeps its queries' gradient (``watched``)
@@ -49,8 +49,9 @@ class Method(nn.Module):
     def view_transforms(cls, cfg) -> list[Callable]:
         return build_view_transforms(cfg.data.augmentation, cfg.data.image_size, cfg.data.min_crop_scale)
 
-    def after_step(self) -> None:
-        """Called by the engine right after ``optimizer.step()`` (outside autocast)."""
+    def after_step(self, skipped: bool = False) -> None:
+        """Called by the engine right after ``optimizer.step()`` (outside autocast); ``skipped``:
+        the fp16 gradient scaler found inf/NaN gradients and left the network unchanged."""
 
     @property
     def backbone(self) -> nn.Module:

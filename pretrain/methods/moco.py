@@ -69,7 +69,11 @@ class MoCo(QueryKeyEncoders, InfoNCEHost):
         self.encoder_q = build_encoder(cfg.model.arch, cfg.model.stem, m.head, m.dim, m.hidden_dim, splits)
         self.encoder_k = momentum_copy(self.encoder_q)
         self.register_buffer("queue", F.normalize(torch.randn(m.dim, m.queue_size), dim=0))
-        self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
+        self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))  # what checkpoints hold
+        # The pointer the step uses lives on the host: reading the buffer every step would wait for
+        # the GPU. It is deterministic, so the copy is exact; a loaded state sets it once.
+        self.ptr = 0
+        self.register_load_state_dict_post_hook(lambda module, _: setattr(module, "ptr", int(module.queue_ptr)))
 
     @torch.no_grad()
     def keys(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,9 +89,10 @@ class MoCo(QueryKeyEncoders, InfoNCEHost):
     @torch.no_grad()
     def enqueue(self, keys: torch.Tensor) -> None:
         keys = dist.gather_no_grad(keys)
-        ptr, n = int(self.queue_ptr), keys.shape[0]
+        ptr, n = self.ptr, keys.shape[0]
         self.queue[:, ptr:ptr + n] = keys.T.to(self.queue.dtype)
-        self.queue_ptr.fill_((ptr + n) % self.queue.shape[1])
+        self.ptr = (ptr + n) % self.queue.shape[1]
+        self.queue_ptr.fill_(self.ptr)
 
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         x1, x2 = views[0], views[1]
