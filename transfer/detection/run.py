@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import statistics
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from detectron2.engine import default_setup, launch
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
+from contrastive_transfer.cli import atomic_write
 from transfer.detection.config import ConfigError, build_config, read_weights
 from transfer.detection.datasets import check_datasets, register_datasets
 from transfer.detection.trainer import BackboneCheckingCheckpointer, Trainer
@@ -30,9 +30,18 @@ HEADLINE = ("AP50", "AP", "AP75", "APs", "APm", "APl")
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, allow_nan=False))
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, allow_nan=False)))
+
+
+def decided_by_rank0(value):
+    """Global rank 0's ``value`` on every process. Machines with their own disks can see different
+    files (a seed finished on machine 0 only): every decision that starts or skips collective work
+    must be the same everywhere, or the processes that went ahead wait forever."""
+    if comm.get_world_size() == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _finite(value):
@@ -61,8 +70,11 @@ def _fresh_logging() -> None:
         logging.getLogger(name).handlers.clear()
 
 
-def worker(cfg: CfgNode, notes: list[str], args) -> None:
-    """Runs in every process (``launch``): train + evaluate, or evaluate only."""
+def worker(cfg: CfgNode, notes: list[str], args, skip_if_done: bool = False) -> None:
+    """Runs in every process (``launch``): train + evaluate, or evaluate only. With
+    ``skip_if_done``, a run whose ``metrics.json`` rank 0 already has is skipped by every process."""
+    if skip_if_done and decided_by_rank0((Path(cfg.OUTPUT_DIR) / "metrics.json").is_file()):
+        return
     register_datasets(args.data_root)
     _fresh_logging()
     default_setup(cfg, args)
@@ -152,9 +164,9 @@ def run(args) -> dict:
         run_cfg.OUTPUT_DIR = str(out / f"seed_{seed}") if len(seeds) > 1 else str(out)
         run_cfg.freeze()
         metrics_path = Path(run_cfg.OUTPUT_DIR) / "metrics.json"
-        if not (len(seeds) > 1 and args.resume and metrics_path.is_file()):
-            launch(worker, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
-                   dist_url=args.dist_url, args=(run_cfg, notes, args))
+        # Whether a seed is finished is decided inside the launched processes, by global rank 0.
+        launch(worker, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
+               dist_url=args.dist_url, args=(run_cfg, notes, args, len(seeds) > 1 and args.resume))
         if args.machine_rank == 0:  # global rank 0 lives on machine 0 and wrote the file
             runs[seed] = json.loads(metrics_path.read_text())
     if args.machine_rank != 0:
