@@ -1,28 +1,90 @@
 """python -m pretrain --config configs/pretrain/<recipe>.yaml [key=value ...]
 
-One process: ``python -m pretrain ...``; several: ``accelerate launch -m pretrain ...`` (or
-torchrun). ``train.batch_size`` is the global batch, split over the processes.
+One process: ``python -m pretrain ...``; several: ``accelerate launch --multi_gpu --num_processes N -m
+pretrain ...`` or ``torchrun --nproc_per_node N -m pretrain ...`` (both also start N CPU processes with
+gloo on a machine without GPUs). ``train.batch_size`` is the global batch, split over the processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from pretrain.config import ConfigError, load_config
+from contrastive_transfer.cli import DEBUG_HELP, UserError, command
+from pretrain.config import load_config
 
 
+def launched_processes() -> int:
+    """The number of processes this launch runs, from the launchers' environment (WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_launch() -> None:
+    """Stop a launch that asked for several processes but runs one.
+
+    ``accelerate launch --cpu --num_processes N`` (and ``--num_machines M`` with ``--cpu``) goes
+    through Accelerate's single-process launcher, which ignores the count: it sets the rendezvous
+    address for the N processes but starts one, without WORLD_SIZE. Training would silently run
+    on one process with N times the per-process batch."""
+    cpu_launcher = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
+    if cpu_launcher and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
+        raise UserError("`accelerate launch --cpu --num_processes N` starts ONE process (Accelerate's CPU launcher "
+                        "ignores the count); for N CPU processes use `torchrun --nproc_per_node N -m pretrain ...` "
+                        "or `accelerate launch --multi_gpu --num_processes N -m pretrain ...` (gloo without GPUs)")
+
+
+def resolve_mixed_precision(cfg) -> tuple[str, str | None]:
+    """(precision to train with, a one-line note when config and launcher disagree).
+
+    ``train.mixed_precision: null`` takes the launcher's (``accelerate launch --mixed_precision``,
+    or its config file, via ACCELERATE_MIXED_PRECISION); an explicit value wins over it."""
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    chosen = cfg.train.mixed_precision
+    if chosen is None:
+        return launcher or "no", None
+    if launcher is not None and launcher != chosen:
+        return chosen, (f"note: train.mixed_precision={chosen} overrides the launcher's --mixed_precision "
+                        f"{launcher}; set train.mixed_precision=null to use the launcher's")
+    return chosen, None
+
+
+def trackers(cfg) -> list[str] | None:
+    """train.log_with as Accelerate's log_with; a tracker that is not installed stops the run here."""
+    name = cfg.train.log_with
+    if name == "none":
+        return None
+    from accelerate.utils import is_mlflow_available, is_tensorboard_available, is_wandb_available
+
+    available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "mlflow": is_mlflow_available}
+    if not available[name]():
+        raise UserError(f"train.log_with={name}: the {name} package is not installed; `pip install {name}` "
+                        "or choose tensorboard or none")
+    return [name]
+
+
+def parser() -> argparse.ArgumentParser:
+    from pathlib import Path
+
+    recipes = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "pretrain").glob("*.yaml")
+                     if not p.stem.startswith("_"))
+    return argparse.ArgumentParser(
+        prog="python -m pretrain", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(f"recipes (configs/pretrain/): {', '.join(recipes)}\n"
+                "keys and their defaults: pretrain/config.py (engine) and each method's `defaults` in "
+                "pretrain/methods/; docs/methods.md explains them.\n" + DEBUG_HELP))
+
+
+@command
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/pretrain/mocov2.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.batch_size=64")
-    args = parser.parse_args(argv)
-    num_processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch and torchrun
-    try:
-        cfg = load_config(args.config, args.overrides, num_processes)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
+    p = parser()
+    p.add_argument("--config", required=True, help="recipe YAML, e.g. configs/pretrain/mocov2.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.batch_size=64")
+    args = p.parse_args(argv)
+    check_launch()
+    num_processes = launched_processes()
+    cfg = load_config(args.config, args.overrides, num_processes)
+    precision, note = resolve_mixed_precision(cfg)
 
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
@@ -31,15 +93,19 @@ def main(argv: list[str] | None = None) -> None:
 
     accelerator = Accelerator(
         cpu=cfg.train.cpu,
-        mixed_precision=cfg.train.mixed_precision,
-        log_with="tensorboard",
+        mixed_precision=precision,
+        log_with=trackers(cfg),
         project_dir=cfg.train.output_dir,
         # Buffers (queues, BN statistics) are never re-broadcast from rank 0: queues are kept
         # identical by gathered enqueues, and per-process BN statistics are part of shuffle BN.
         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
     )
     if accelerator.num_processes != num_processes:
-        sys.exit(f"error: WORLD_SIZE={num_processes} but Accelerate runs {accelerator.num_processes} processes")
+        raise UserError(f"WORLD_SIZE={num_processes} but Accelerate runs {accelerator.num_processes} processes; "
+                        "launch with torchrun or accelerate launch")
+    if note:
+        accelerator.print(note)
+    cfg.train.mixed_precision = precision  # what runs, in config.yaml and the checkpoints
     train(cfg, accelerator)
 
 

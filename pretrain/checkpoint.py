@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -19,18 +20,36 @@ import torch
 import torch.distributed as torch_dist
 from omegaconf import OmegaConf
 
+from contrastive_transfer.cli import UserError, atomic_write
 from pretrain import dist
 
 FINAL_FORMAT = "contrastive-transfer/backbone/v1"
+LAST_NAME, PREV_NAME = "checkpoint_last.pth", "checkpoint_prev.pth"
+
+
+class ResumeError(UserError):
+    """A checkpoint that cannot continue this run (unreadable, another setup, missing on a rank)."""
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """torch.save to a temp file in the same folder, then rename: a crash never leaves a torn file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """torch.save through a temporary file renamed over ``path``: a crash never leaves a torn file,
+    and a failed write leaves no temporary behind."""
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def keep_previous(last: Path) -> None:
+    """Make ``checkpoint_prev.pth`` the current ``last`` (a hard link, renamed into place, so both
+    names exist at every moment) before ``last`` is replaced: one bad write can never destroy the
+    only good state."""
+    if not last.is_file():
+        return
+    prev, tmp = last.with_name(PREV_NAME), last.with_name(f".{PREV_NAME}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(last, tmp)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(last, tmp)
+    os.replace(tmp, prev)
 
 
 def git_sha() -> str:
@@ -44,8 +63,8 @@ def git_sha() -> str:
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's GPU only: a resume may see another number of GPUs
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -53,8 +72,12 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # older checkpoints saved every visible GPU's state
+            cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 def _all_rng_states() -> list[dict]:
@@ -69,6 +92,7 @@ def save_training_state(path: Path, accelerator, method, optimizer, step: int, s
     """Called on every rank (RNG states are gathered); only the main process writes."""
     rngs = _all_rng_states()
     if accelerator.is_main_process:
+        keep_previous(path)
         atomic_save({
             "method": method.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -83,7 +107,8 @@ def save_training_state(path: Path, accelerator, method, optimizer, step: int, s
 
 # A resume continues the same run: these keys must not change in between (the rest may, e.g.
 # train.max_steps or logging cadence).
-RESUME_INVARIANT_KEYS = ("method", "model", "optim.name", "optim.exclude_norm_bias", "train.batch_size")
+RESUME_INVARIANT_KEYS = ("method", "model", "optim.name", "optim.exclude_norm_bias", "train.batch_size",
+                         "train.seed", "data.root", "data.augmentation", "data.image_size", "data.min_crop_scale")
 
 
 def _select(tree: dict, dotted: str):
@@ -99,32 +124,40 @@ def _check_same_setup(path: Path, saved: dict, cfg) -> None:
     for key in RESUME_INVARIANT_KEYS:
         was, now = _select(saved, key), _select(current, key)
         if was != now:
-            raise RuntimeError(f"checkpoint {path} was written with {key}={was}, this run has {key}={now}: "
+            raise ResumeError(f"checkpoint {path} was written with {key}={was}, this run has {key}={now}: "
                                "resume with the same setting, or start afresh with train.resume=none "
                                "or another train.output_dir")
 
 
-def load_training_state(path: Path, accelerator, method, optimizer, steps_per_epoch: int, cfg) -> int:
-    """Restore everything saved by save_training_state; returns the global step to continue from."""
+def read_training_state(path: Path) -> dict:
+    """The training state in ``path``; ResumeError (one line) for a file that is not one."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
-        raise RuntimeError(f"cannot read checkpoint {path}: {e}") from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ResumeError(f"cannot read checkpoint {path} ({first})") from None
     if not isinstance(state, dict) or not {"method", "optimizer", "step"} <= state.keys():
-        raise RuntimeError(f"{path} is not a training checkpoint (expected the keys method, optimizer, step; "
-                           "checkpoint_final.pth cannot be resumed, use checkpoint_last.pth)")
+        raise ResumeError(f"{path} is not a training checkpoint (expected the keys method, optimizer, step; "
+                          "checkpoint_final.pth cannot be resumed, use checkpoint_last.pth)")
+    return state
+
+
+def load_training_state(path: Path, accelerator, method, optimizer, steps_per_epoch: int, cfg,
+                        state: dict | None = None) -> int:
+    """Restore everything saved by save_training_state; returns the global step to continue from."""
+    state = read_training_state(path) if state is None else state
     if state.get("steps_per_epoch") != steps_per_epoch:
-        raise RuntimeError(f"checkpoint {path} was written with {state.get('steps_per_epoch')} steps per epoch, "
-                           f"this run has {steps_per_epoch}: data.root or train.batch_size changed")
+        raise ResumeError(f"checkpoint {path} was written with {state.get('steps_per_epoch')} steps per epoch, "
+                          f"this run has {steps_per_epoch}: data.root or train.batch_size changed")
     _check_same_setup(path, state.get("config") or {}, cfg)
     try:
         method.load_state_dict(state["method"])
         optimizer.load_state_dict(state["optimizer"])
     except (KeyError, ValueError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0]
-        raise RuntimeError(f"checkpoint {path} does not fit this run's method/optimizer ({first}); "
-                           "resume with the config it was written with, or start afresh with train.resume=none "
-                           "or another train.output_dir") from None
+        raise ResumeError(f"checkpoint {path} does not fit this run's method/optimizer ({first}); "
+                          "resume with the config it was written with, or start afresh with train.resume=none "
+                          "or another train.output_dir") from None
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]
@@ -132,17 +165,40 @@ def load_training_state(path: Path, accelerator, method, optimizer, steps_per_ep
     return int(state["step"])
 
 
-def resume_path(cfg) -> Path | None:
-    """train.resume: 'auto' → output_dir/checkpoint_last.pth if present; 'none'; or a path."""
+def resume_candidates(cfg) -> list[Path]:
+    """train.resume: 'auto' → checkpoint_last.pth, then checkpoint_prev.pth, of output_dir (those
+    present); 'none' → nothing; a path → that file."""
     choice = cfg.train.resume
     if choice in (None, "none"):
-        return None
+        return []
     if choice == "auto":
-        last = Path(cfg.train.output_dir) / "checkpoint_last.pth"
-        return last if last.is_file() else None
+        out = Path(cfg.train.output_dir)
+        return [p for p in (out / LAST_NAME, out / PREV_NAME) if p.is_file()]
     if not Path(choice).is_file():
-        raise FileNotFoundError(f"train.resume={choice!r}: no such checkpoint")
-    return Path(choice)
+        raise ResumeError(f"train.resume={choice!r}: no such checkpoint; give the path of a checkpoint_last.pth, "
+                          "or auto/none")
+    return [Path(choice)]
+
+
+def choose_resume(cfg, log=print) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from and its state: the first readable candidate. An unreadable
+    checkpoint_last.pth (truncated by a full disk, emptied) falls back to checkpoint_prev.pth with
+    one line saying so; when none is readable, ResumeError names them all."""
+    candidates = resume_candidates(cfg)
+    errors = []
+    for path in candidates:
+        try:
+            state = read_training_state(path)
+        except ResumeError as e:
+            errors.append(str(e))
+            continue
+        for error in errors:
+            log(f"warning: {error}; resuming from {path} instead")
+        return path, state
+    if errors:
+        raise ResumeError("; ".join(errors) + ": no readable checkpoint to resume; remove them to start afresh, "
+                          "or set train.resume=none or another train.output_dir")
+    return None
 
 
 def export_final(path: Path, method, cfg, step: int) -> None:

@@ -14,8 +14,10 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from contrastive_transfer.cli import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A bad configuration value; the message names the key and the allowed values."""
 
 
@@ -52,7 +54,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "batch_size": 256,  # GLOBAL batch over all processes (MoCo's convention); per process = this / processes
         "max_steps": None,  # stop (with a checkpoint) after this many steps; the schedule still spans `epochs`
         "seed": 0,
-        "mixed_precision": "no",  # no | fp16 | bf16 (similarities and logits stay fp32)
+        "mixed_precision": None,  # null: what Accelerate was launched with; no | fp16 | bf16 (logits stay fp32)
+        "log_with": "tensorboard",  # tensorboard | wandb | mlflow | none (trackers through Accelerate)
         "output_dir": "outputs/pretrain/${name}",
         "resume": "auto",  # auto (continue from output_dir/checkpoint_last.pth if present) | none | a path
         "checkpoint_every": 1000,  # steps; also at every epoch end and at the end
@@ -78,7 +81,8 @@ CHOICES = {
     "optim.name": ("sgd", "lars"),
     "optim.lr_scaling": ("linear", "sqrt", "none"),
     "optim.schedule": ("cosine", "step", "constant"),
-    "train.mixed_precision": ("no", "fp16", "bf16"),
+    "train.mixed_precision": (None, "no", "fp16", "bf16"),
+    "train.log_with": ("tensorboard", "wandb", "mlflow", "none"),
 }
 
 
@@ -130,6 +134,8 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid value for {e.full_key!r}: {e.msg}") from None
     OmegaConf.resolve(cfg)
+    if cfg.train.mixed_precision is False:  # YAML reads a bare `no` as false
+        cfg.train.mixed_precision = "no"
     validate(cfg, num_processes)
     return cfg
 

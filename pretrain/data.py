@@ -29,6 +29,7 @@ from torchvision.datasets.folder import (IMG_EXTENSIONS, find_classes, has_file_
                                          make_dataset)
 from torchvision.transforms import v2
 
+from contrastive_transfer.cli import UserError
 from pretrain.augment import ViewTransform
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RECIPES", "blur_kernel_size", "build_view_transforms",
@@ -204,7 +205,8 @@ class ImageDataset(Dataset):
                     return v2.functional.to_image(im.convert("RGB")), label, bad  # convert() decodes
             except _DECODE_ERRORS:
                 bad.append(path)
-        raise RuntimeError(f"no readable image in {self.root} ({len(bad)} files tried)")
+        raise UnreadableImagesError(f"no readable image in {self.root} ({len(bad)} files tried, e.g. {bad[0]}); "
+                                    "check the files or data.root")
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[list[torch.Tensor], int, list[str]]]:
         epoch, drawn, labels, bads = int(self._epoch), [], [], []
@@ -293,7 +295,7 @@ def build_loader(dataset: ImageDataset, batch_size_per_process: int, num_replica
     """DataLoader over a ShardedSampler; equal full batches on every rank (drop_last)."""
     batch = batch_size_per_process
     if len(dataset) < batch * num_replicas:
-        raise ValueError(f"dataset {getattr(dataset, 'root', '')} has {len(dataset)} images, fewer "
+        raise TooFewImagesError(f"dataset {getattr(dataset, 'root', '')} has {len(dataset)} images, fewer "
                          f"than one global batch (batch_size {batch} × {num_replicas} processes); "
                          f"lower batch_size")
     sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, batch)
@@ -308,6 +310,14 @@ def set_loader_epoch(loader: DataLoader, epoch: int, start_batch: int = 0) -> No
     """Set the epoch on both the dataset (augmentations) and the sampler (order, resume point)."""
     loader.dataset.set_epoch(epoch)
     loader.sampler.set_epoch(epoch, start_batch)
+
+
+class UnreadableImagesError(UserError, RuntimeError):
+    """Images that cannot be decoded, more than the run allows (or all of them)."""
+
+
+class TooFewImagesError(UserError, ValueError):
+    """A dataset smaller than one global batch."""
 
 
 class BadImageTracker:
@@ -332,8 +342,9 @@ class BadImageTracker:
 
     def check(self) -> None:
         if self.exceeded:
-            raise RuntimeError(f"{self.summary()}, above max_fraction {self.max_fraction:.4%}; "
-                               f"e.g. {', '.join(self.bad[:5])}")
+            raise UnreadableImagesError(f"{self.summary()}, above data.max_bad_fraction {self.max_fraction:.4%}: "
+                                        f"{', '.join(self.bad[:5])}{' ...' if len(self.bad) > 5 else ''}; "
+                                        "fix or remove them, or raise data.max_bad_fraction to skip them")
 
     def summary(self) -> str:
         return (f"unreadable images: {len(self.bad)} of {self.seen} loaded ({self.fraction:.4%}; "

@@ -189,6 +189,44 @@ def all_ranks_equal(t: torch.Tensor) -> bool:
     return bool(ok.item())
 
 
+class PendingFlags:
+    """A MIN all-reduce of 0/1 flags started without waiting (``start_all_ranks_true``); ``wait()``
+    returns the per-flag verdicts, the same on every rank. The flags stay on the device until then,
+    so the step's backward runs while the reduction travels."""
+
+    def __init__(self, flags: torch.Tensor) -> None:
+        self.flags = flags.to(torch.int32)
+        self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MIN, async_op=True) if world_size() > 1 else None
+
+    def wait(self) -> list[bool]:
+        if self.work is not None:
+            self.work.wait()
+        return [bool(v) for v in self.flags.tolist()]  # the one host read of the step
+
+
+def start_all_ranks_true(flags: torch.Tensor) -> PendingFlags:
+    """Start the reduction of a (k,) bool tensor of per-rank flags."""
+    return PendingFlags(flags)
+
+
+def decided_by_rank0(value):
+    """Global rank 0's ``value`` (any picklable object) on every rank; ``value`` itself in one process."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(value) -> list:
+    """Every rank's ``value`` (small picklable objects), in rank order, on every rank."""
+    if world_size() == 1:
+        return [value]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def all_ranks_true(flag: bool, device: torch.device | str = "cpu") -> bool:
     """True iff ``flag`` is True on every rank (a MIN all-reduce); all ranks get the same answer,
     so they take the same branch afterwards (e.g. all stop on a non-finite loss)."""

@@ -9,6 +9,7 @@ run continues exactly where the interrupted one stopped.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,11 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pretrain import dist
-from pretrain.checkpoint import export_final, git_sha, load_training_state, resume_path, save_training_state
+from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove_stale_temporaries
+from pretrain.checkpoint import (LAST_NAME, PREV_NAME, ResumeError, choose_resume, export_final, git_sha,
+                                 load_training_state, read_training_state, save_training_state)
 from pretrain.config import per_process_batch, scaled_lr
-from pretrain.data import BadImageTracker, ImageDataset, build_loader, set_loader_epoch
+from pretrain.data import BadImageTracker, ImageDataset, UnreadableImagesError, build_loader, set_loader_epoch
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
@@ -30,8 +33,77 @@ from pretrain.models import Encoder, convert_sync_batchnorm
 from pretrain.optim import build_optimizer, lr_at
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+class NonFiniteLossError(UserError):
+    """The loss, or the parameters after a step, stopped being finite; nothing was saved."""
+
+
+def claim_output_dir(out: Path, main: bool, device) -> OutputLock | None:
+    """The main process locks the output directory for the whole run (a second run into it stops
+    at once, naming the holder); every process learns the outcome, so all stop together."""
+    lock, error = None, None
+    if main:
+        try:
+            lock = OutputLock(out, "train.output_dir").acquire()
+            for tmp in remove_stale_temporaries(out):
+                print(f"removed {tmp.name}, left by a killed write")
+        except UserError as e:
+            error = str(e)
+    error = dist.decided_by_rank0(error)
+    if error:
+        raise UserError(error)
+    return lock
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop the rows past ``step`` that an interrupted run logged after its last checkpoint: the
+    resumed run logs those steps again, and every step must appear once."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    atomic_write(path, lambda tmp: tmp.write_text("".join(kept)))
+
+
+@torch.no_grad()
+def parameters_usable(method: torch.nn.Module) -> torch.Tensor:
+    """True (a device tensor) iff every parameter is finite and their squared norm is too: weights
+    blown up to 1e28 are still finite but their next forward is not, so they are no state to keep."""
+    params = [p for p in method.parameters()]
+    norms = torch.stack(torch._foreach_norm(params)).float()
+    return torch.isfinite(norms.square().sum())
+
+
+def resume(cfg, accelerator, method, optimizer, steps_per_epoch: int) -> int:
+    """Continue from the checkpoint rank 0 chooses (see ``choose_resume``); 0 for a fresh start.
+
+    Every process loads the same file and must reach the same step. A process that cannot see the
+    file (machines with their own disks) makes all of them stop with one line, instead of starting
+    from scratch beside the others and diverging."""
+    choice, error = None, None
+    if accelerator.is_main_process:
+        try:
+            found = choose_resume(cfg, log=accelerator.print)
+            choice = None if found is None else str(found[0])
+        except ResumeError as e:
+            error = str(e)
+    choice, error = dist.decided_by_rank0((choice, error))
+    if error:
+        raise ResumeError(error)
+    if choice is None:
+        return 0
+    path = Path(choice)
+    visible = dist.gather_objects((path.is_file(), socket.gethostname()))
+    missing = [f"process {r} on {host}" for r, (seen, host) in enumerate(visible) if not seen]
+    if missing:
+        raise ResumeError(f"{path} is not visible to {', '.join(missing)}: resuming needs train.output_dir on a "
+                          "filesystem shared by all machines (or the same checkpoint copied to each)")
+    step = load_training_state(path, accelerator, method, optimizer, steps_per_epoch, cfg, read_training_state(path))
+    steps = dist.gather_objects(step)
+    if len(set(steps)) > 1:
+        raise ResumeError(f"the processes read different steps from {path} ({steps}): the file changed while "
+                          "they read it; start again")
+    accelerator.print(f"resumed from {path} at step {step}")
+    return step
 
 
 @dataclass(frozen=True)
@@ -67,19 +139,28 @@ def gpu_settings(cfg, method: torch.nn.Module, device: torch.device) -> SpeedSet
 
 
 def train(cfg, accelerator: Accelerator) -> Path:
-    """Pretrain as configured; returns the path of ``checkpoint_final.pth``."""
+    """Pretrain as configured; returns the path of ``checkpoint_final.pth``. The output directory
+    is this run's alone until it returns or fails."""
+    lock = claim_output_dir(Path(cfg.train.output_dir), accelerator.is_main_process, accelerator.device)
+    try:
+        return _train(cfg, accelerator)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg, accelerator: Accelerator) -> Path:
     # ------------------------------------------------------------------ setup
     out = Path(cfg.train.output_dir)
     n_proc, main = accelerator.num_processes, accelerator.is_main_process
     n_local = per_process_batch(cfg, n_proc)
     if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        atomic_write(out / "config.yaml", lambda tmp: tmp.write_text(OmegaConf.to_yaml(cfg)))
         accelerator.print(OmegaConf.to_yaml(cfg))
         accelerator.print(f"git {git_sha()} | {n_proc} process(es) on {accelerator.device} | batch "
                           f"{cfg.train.batch_size} global = {n_local} per process | lr {scaled_lr(cfg):.4g} "
                           f"(optim.lr {cfg.optim.lr} at batch {cfg.optim.reference_batch}, "
-                          f"{cfg.optim.lr_scaling} scaling) | mixed precision {cfg.train.mixed_precision}")
+                          f"{cfg.optim.lr_scaling} scaling) | mixed precision {accelerator.mixed_precision}")
     set_seed(cfg.train.seed)  # identical initial weights and queues on every rank
 
     # ------------------------------------------------------------------ method and optimizer
@@ -105,12 +186,24 @@ def train(cfg, accelerator: Accelerator) -> Path:
     method = accelerator.unwrap_model(model)
 
     # ------------------------------------------------------------------ resume
-    step = 0
-    checkpoint = resume_path(cfg)
-    if checkpoint is not None:
-        step = load_training_state(checkpoint, accelerator, method, optimizer, steps_per_epoch, cfg)
-        accelerator.print(f"resumed from {checkpoint} at step {step}")
-    last_path = out / "checkpoint_last.pth"
+    step = resume(cfg, accelerator, method, optimizer, steps_per_epoch)
+    last_path = out / LAST_NAME
+    if main:
+        trim_metrics(out / "metrics.jsonl", step)
+
+    def save(at_step: int) -> None:
+        # Never write a state that cannot be continued: checked on every process, agreed in one
+        # reduction, so all of them stop together and nothing is written.
+        if not dist.start_all_ranks_true(parameters_usable(method).unsqueeze(0)).wait()[0]:
+            raise NonFiniteLossError(
+                f"the parameters after step {at_step} are not finite (or too large to square in fp32); stopped "
+                f"without saving. {last_good()} Lower optim.lr, or use train.mixed_precision=bf16/no")
+        save_training_state(last_path, accelerator, method, optimizer, at_step, steps_per_epoch, cfg)
+
+    def last_good() -> str:
+        good = [p for p in (last_path, out / PREV_NAME) if p.is_file()]
+        return (f"Last good checkpoint: {good[0]}; train.resume=auto continues from it." if good
+                else "No checkpoint was written yet.")
 
     # ------------------------------------------------------------------ loop
     bad_images = BadImageTracker(cfg.data.max_bad_fraction)
@@ -134,20 +227,22 @@ def train(cfg, accelerator: Accelerator) -> Path:
             output = model([x.to(accelerator.device, non_blocking=True, memory_format=speed.memory_format)
                             for x in images])
             loss = output["loss"]
-            # One collective for both stop conditions, so that every rank stops together.
-            finite, images_ok = dist.all_ranks_true_each(
-                [bool(torch.isfinite(loss.detach())), not bad_images.exceeded], accelerator.device)
+            # Both stop conditions in one reduction that travels during the backward; read just
+            # before the step, so the step never applies a non-finite update and all ranks stop together.
+            flags = torch.stack([torch.isfinite(loss.detach()).all(),
+                                 torch.tensor(not bad_images.exceeded, device=loss.device)])
+            verdict = dist.start_all_ranks_true(flags)
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            finite, images_ok = verdict.wait()
             if not images_ok:
                 bad_images.check()  # raises naming this process's unreadable files
-                raise RuntimeError("unreadable images above data.max_bad_fraction on another process (see its "
-                                   "error for the file names)")
+                raise UnreadableImagesError("unreadable images above data.max_bad_fraction on another process "
+                                            "(see its error for the file names)")
             if not finite:
                 raise NonFiniteLossError(
                     f"non-finite loss ({loss.item()}) at step {step} (epoch {epoch}); stopped without saving. "
-                    f"Last good checkpoint: {last_path if last_path.is_file() else 'none'}. Lower optim.lr, "
-                    "or use train.mixed_precision=bf16/no")
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
+                    f"{last_good()} Lower optim.lr, or use train.mixed_precision=bf16/no")
             optimizer.step()
             method.after_step(skipped=accelerator.optimizer_step_was_skipped)  # e.g. AdCo's ascent
             step += 1
@@ -169,14 +264,14 @@ def train(cfg, accelerator: Accelerator) -> Path:
                                 step=f"{t_step:.3f}s")
             bar.update(1)
             if step % cfg.train.checkpoint_every == 0 or step == last_step:
-                save_training_state(last_path, accelerator, method, optimizer, step, steps_per_epoch, cfg)
+                save(step)
             if step == last_step:
                 break
             t0 = time.perf_counter()
 
         epoch_done = step % steps_per_epoch == 0
         if epoch_done and step != last_step:
-            save_training_state(last_path, accelerator, method, optimizer, step, steps_per_epoch, cfg)
+            save(step)
         if epoch_done and cfg.knn.train_dir and (step // steps_per_epoch) % cfg.knn.every_epochs == 0:
             if main:
                 acc = knn_accuracy(method.backbone, cfg.knn.train_dir, cfg.knn.val_dir, cfg.data.image_size,
@@ -191,10 +286,16 @@ def train(cfg, accelerator: Accelerator) -> Path:
 
     # ------------------------------------------------------------------ export
     final = out / "checkpoint_final.pth"
+    skipped = sorted({path for paths in dist.gather_objects(bad_images.bad) for path in paths})
     if main:
         export_final(final, method, cfg, step)
         if metrics:
             metrics.close()
+        if skipped:  # skip mode: say which files were replaced by their next readable neighbour
+            listing = out / "unreadable_images.txt"
+            atomic_write(listing, lambda tmp: tmp.write_text("".join(f"{path}\n" for path in skipped)))
+            accelerator.print(f"skipped {len(skipped)} unreadable images, e.g. {', '.join(skipped[:3])}; "
+                              f"all of them in {listing}")
         accelerator.print(f"{bad_images.summary()}\nwrote {final}")
     accelerator.wait_for_everyone()
     accelerator.end_training()

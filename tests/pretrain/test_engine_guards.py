@@ -15,6 +15,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from contrastive_transfer.cli import UserError
 from pretrain.config import load_config
 from pretrain.engine import train
 from pretrain.knn import extract_features
@@ -50,7 +51,7 @@ def test_unreadable_images_above_the_limit_stop_the_run_naming_them(accelerator,
     out = tmp_path / "run"
     cfg = _cfg("tiny_simclr", small_copy, out, "train.batch_size=8", "train.epochs=1",
                "data.max_bad_fraction=0.01")
-    with pytest.raises(RuntimeError, match="unreadable images") as e:
+    with pytest.raises(UserError, match="unreadable images") as e:
         train(cfg, accelerator)
     assert any(f.name in str(e.value) for f in files[:3]), str(e.value)
     assert not (out / "checkpoint_final.pth").exists()
@@ -58,16 +59,18 @@ def test_unreadable_images_above_the_limit_stop_the_run_naming_them(accelerator,
     cfg = _cfg("tiny_simclr", small_copy, tmp_path / "loose", "train.batch_size=8", "train.epochs=1",
                "data.max_bad_fraction=0.5")
     assert train(cfg, accelerator).is_file()
+    listed = (tmp_path / "loose" / "unreadable_images.txt").read_text().splitlines()
+    assert sorted(listed) == sorted(str(f) for f in files[:3])  # skip mode names every skipped file
 
 
 def test_resume_that_does_not_fit_the_run_fails_clearly(accelerator, synthetic_root, tmp_path):
     root, out = synthetic_root / "imagenet" / "train", tmp_path / "run"
     train(_cfg("tiny_simclr", root, out, "train.max_steps=1"), accelerator)
-    with pytest.raises(RuntimeError, match=r"written with optim\.name=lars, this run has optim\.name=sgd"):
+    with pytest.raises(UserError, match=r"written with optim\.name=lars, this run has optim\.name=sgd"):
         train(_cfg("tiny_simclr", root, out, "train.max_steps=2", "optim.name=sgd"), accelerator)
-    with pytest.raises(RuntimeError, match=r"written with method=.*this run has method="):
+    with pytest.raises(UserError, match=r"written with method=.*this run has method="):
         train(_cfg("tiny_simclr", root, out, "train.max_steps=2", "method.dim=64"), accelerator)
-    with pytest.raises(RuntimeError, match="is not a training checkpoint"):
+    with pytest.raises(UserError, match="is not a training checkpoint"):
         train(_cfg("tiny_simclr", root, tmp_path / "other", "train.max_steps=2",
                    f"train.resume={out / 'checkpoint_final.pth'}"), accelerator)
     # A fitting resume still continues.

@@ -1,0 +1,142 @@
+"""Fault injection through `python -m pretrain` (its `main`, in this process): each case asserts the
+exit (one line `error: ...`), what is on disk, and that a sane restart continues.
+
+Cases: weights blown up by a huge lr are never saved; a truncated or empty checkpoint_last.pth falls
+back to checkpoint_prev.pth, and with both unreadable the run stops in one line; a second run into a
+live output directory is refused; a resume with another seed is refused; an unwritable output stops
+before any work; temporaries of a killed write are removed and metrics.jsonl keeps every step once;
+the launcher checks (one process instead of N, the mixed precision the launcher asked for)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from contrastive_transfer.cli import OutputLock
+from pretrain import __main__ as cli
+from pretrain.checkpoint import LAST_NAME, PREV_NAME, read_training_state
+
+RECIPE = str(Path(__file__).resolve().parents[2] / "configs" / "pretrain" / "tiny_simclr.yaml")
+
+
+def run(out: Path, root: Path, *overrides: str) -> None:
+    cli.main(["--config", RECIPE, f"data.root={root / 'imagenet' / 'train'}", f"train.output_dir={out}",
+              "train.batch_size=8", "data.num_workers=0", "train.log_every=1", "train.log_with=none", *overrides])
+
+
+def fails(out: Path, root: Path, *overrides: str) -> str:
+    with pytest.raises(SystemExit) as stop:
+        run(out, root, *overrides)
+    message = str(stop.value)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def usable(path: Path) -> bool:
+    params = [v for v in read_training_state(path)["method"].values() if v.is_floating_point()]
+    return all(torch.isfinite(p).all() for p in params) and torch.isfinite(
+        sum(p.double().square().sum() for p in params))
+
+
+def steps_logged(out: Path) -> list[int]:
+    return [row["step"] for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
+
+
+def test_exploding_weights_are_never_saved_and_a_sane_lr_resumes(synthetic_root, tmp_path):
+    out = tmp_path / "run"
+    run(out, synthetic_root, "train.max_steps=2", "train.checkpoint_every=1")
+    message = fails(out, synthetic_root, "train.max_steps=8", "train.checkpoint_every=1", "optim.lr=1e30")
+    assert "stopped without saving" in message and f"Last good checkpoint: {out / LAST_NAME}" in message
+    assert usable(out / LAST_NAME) and usable(out / PREV_NAME)  # what is on disk can be continued
+    run(out, synthetic_root, "train.max_steps=4", "train.checkpoint_every=1")
+    assert (out / "checkpoint_final.pth").is_file()
+    assert steps_logged(out) == sorted(set(steps_logged(out)))  # every step once, after the resumes
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_unreadable_last_checkpoint_falls_back_to_the_previous_one(synthetic_root, tmp_path, damage, capsys):
+    out = tmp_path / damage
+    run(out, synthetic_root, "train.max_steps=2", "train.checkpoint_every=1")
+    last = out / LAST_NAME
+    assert read_training_state(out / PREV_NAME)["step"] == 1
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2] if damage == "truncated" else b"")
+    run(out, synthetic_root, "train.max_steps=3", "train.checkpoint_every=1")
+    printed = capsys.readouterr().out
+    assert f"cannot read checkpoint {last}" in printed and f"resuming from {out / PREV_NAME}" in printed
+    assert "resumed from" in printed and "at step 1" in printed
+    assert read_training_state(last)["step"] == 3
+    # Both unreadable: one line naming them, nothing started.
+    for path in (last, out / PREV_NAME):
+        path.write_bytes(b"")
+    message = fails(out, synthetic_root, "train.max_steps=4")
+    assert str(last) in message and PREV_NAME in message and "no readable checkpoint" in message
+
+
+def test_a_second_run_into_a_live_output_directory_is_refused(synthetic_root, tmp_path):
+    out = tmp_path / "shared"
+    out.mkdir()
+    (out / "config.yaml").write_text("the first run's\n")
+    with OutputLock(out, "train.output_dir"):  # a live run holds it
+        message = fails(out, synthetic_root, "train.max_steps=1")
+    assert "in use by another run" in message and f"pid {__import__('os').getpid()}" in message
+    assert (out / "config.yaml").read_text() == "the first run's\n"  # the first run's files untouched
+    run(out, synthetic_root, "train.max_steps=1")  # once released (or its holder killed), it is free
+
+
+def test_resume_with_another_seed_is_refused(synthetic_root, tmp_path):
+    out = tmp_path / "seeded"
+    run(out, synthetic_root, "train.max_steps=1")
+    message = fails(out, synthetic_root, "train.max_steps=2", "train.seed=1")
+    assert "train.seed=0, this run has train.seed=1" in message
+
+
+def test_unwritable_output_stops_before_any_work(synthetic_root, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    message = fails(blocker / "out", synthetic_root, "train.max_steps=1")
+    assert message.startswith(f"error: train.output_dir {blocker / 'out'} is not a writable directory")
+
+
+def test_leftovers_of_a_killed_run_are_cleaned(synthetic_root, tmp_path, capsys):
+    out = tmp_path / "killed"
+    run(out, synthetic_root, "train.max_steps=2", "train.checkpoint_every=2")
+    stale = out / ".checkpoint_last.pth.tmp999999"  # a write killed half way
+    stale.write_bytes(b"half a checkpoint")
+    with open(out / "metrics.jsonl", "a") as f:  # rows the killed run logged after its checkpoint
+        f.write(json.dumps({"step": 3, "loss": 1.0}) + "\n")
+    run(out, synthetic_root, "train.max_steps=4", "train.checkpoint_every=2")
+    assert not stale.exists() and "removed .checkpoint_last.pth.tmp999999" in capsys.readouterr().out
+    assert steps_logged(out) == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------ launchers
+
+def test_one_process_instead_of_n_is_stopped_with_a_working_command(monkeypatch, tmp_path):
+    # What `accelerate launch --cpu --num_processes 2` leaves in the single process it starts.
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--config", RECIPE, f"train.output_dir={tmp_path}"])
+    assert "starts ONE process" in str(stop.value) and "torchrun --nproc_per_node N" in str(stop.value)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun / --multi_gpu: a real N-process launch passes
+    cli.check_launch()
+
+
+def test_mixed_precision_follows_the_launcher_unless_the_config_says_otherwise(monkeypatch):
+    cfg = OmegaConf.create({"train": {"mixed_precision": None}})
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert cli.resolve_mixed_precision(cfg) == ("no", None)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
+    assert cli.resolve_mixed_precision(cfg) == ("bf16", None)
+    cfg.train.mixed_precision = "no"
+    precision, note = cli.resolve_mixed_precision(cfg)
+    assert precision == "no" and "overrides the launcher's --mixed_precision bf16" in note
+    from pretrain.config import load_config
+
+    assert load_config(RECIPE, ["train.mixed_precision=no"]).train.mixed_precision == "no"  # YAML's `no`
+    assert load_config(RECIPE).train.mixed_precision is None
