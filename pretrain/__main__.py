@@ -80,7 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     p.add_argument("--config", required=True, help="recipe YAML, e.g. configs/pretrain/mocov2.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.batch_size=64")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the fully resolved config (YAML, loadable as a recipe) and exit")
     args = p.parse_args(argv)
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(load_config(args.config, args.overrides, launched_processes())), end="")
+        return
     check_launch()
     num_processes = launched_processes()
     cfg = load_config(args.config, args.overrides, num_processes)

@@ -140,3 +140,25 @@ def test_mixed_precision_follows_the_launcher_unless_the_config_says_otherwise(m
 
     assert load_config(RECIPE, ["train.mixed_precision=no"]).train.mixed_precision == "no"  # YAML's `no`
     assert load_config(RECIPE).train.mixed_precision is None
+
+
+# ------------------------------------------------------------------------------ the command line
+
+@pytest.mark.parametrize("recipe", ["tiny_adco_multicrop", "mocov2"])
+def test_print_config_reloads_to_the_same_config(recipe, tmp_path, capsys):
+    from pretrain.config import load_config
+
+    path = Path(RECIPE).with_name(f"{recipe}.yaml")
+    cli.main(["--config", str(path), "--print-config", "train.batch_size=64", "method.temperature=0.3"])
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(capsys.readouterr().out)
+    again = OmegaConf.to_container(load_config(printed))
+    assert again == OmegaConf.to_container(load_config(path, ["train.batch_size=64", "method.temperature=0.3"]))
+    assert again["train"]["batch_size"] == 64 and again["method"]["temperature"] == 0.3
+
+
+def test_help_lists_the_recipes_and_where_keys_are_documented(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    assert "tiny_simclr" in text and "mocov2_eqco" in text and "docs/methods.md" in text and "--print-config" in text
