@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 import torchvision
 from torch import nn
 
-from contrastive_transfer.cli import UserError
+from contrastive_transfer.cli import DEBUG_HELP, UserError, describe
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +380,26 @@ def add_arguments(parser: argparse.ArgumentParser, output_help: str) -> None:
     parser.add_argument("--layout", choices=["auto", *LAYOUTS], default="auto",
                         help="force a layout instead of detecting it: "
                              + "; ".join(f"{name} = {lay.description}" for name, lay in LAYOUTS.items()))
+
+
+def run_converter(argv: list[str] | None, prog: str, description: str, output_help: str,
+                  convert: Callable[..., dict], report: Callable[[dict], None]) -> int:
+    """The whole command line of a converter: parse, ``convert(input, output, encoder, layout)``,
+    ``report(summary)``; 0, or 1 after one ``error: ...`` line on stderr for a bad input or an
+    unusable path (``--debug`` shows the traceback instead)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=DEBUG_HELP)
+    add_arguments(parser, output_help)
+    parser.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        summary = convert(args.input, args.output, args.encoder, args.layout)
+    except (UserError, OSError) as e:
+        if args.debug:
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return 1
+    report(summary)
+    return 0
 
 
 def summary_lines(backbone: Backbone) -> list[str]:

@@ -21,7 +21,6 @@ torchvision mean/std, stride in the 3x3 conv); ``detectron2_config`` lists the f
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from converters.checkpoint_io import (Backbone, CheckpointError, add_arguments, atomic_write, load_backbone,
+from converters.checkpoint_io import (Backbone, CheckpointError, run_converter, atomic_write, load_backbone,
                                       summary_lines)
 
 AUTHOR = "contrastive-transfer"
@@ -108,21 +107,17 @@ def _format_value(value: object) -> str:
     return "[" + ", ".join(f"{x:g}" for x in value) + "]" if isinstance(value, list) else str(value)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m converters.to_detectron2", description=__doc__.split("\n")[0])
-    add_arguments(parser, "detectron2 weights to write (.pkl)")
-    args = parser.parse_args(argv)
-    try:
-        summary = convert(args.input, args.output, args.encoder, args.layout)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+def _report(summary: dict) -> None:
     print(*summary["lines"], sep="\n")
     print(f"wrote {summary['tensors']} detectron2 tensors to {summary['output']} ({summary['arch']})")
     print("set in the detectron2 config: " + ", ".join(
         f"{k}: {_format_value(v)}" for k, v in summary["detectron2_config"].items())
           + f", MODEL.WEIGHTS: {summary['output']}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_converter(argv, "python -m converters.to_detectron2", __doc__.split("\n")[0],
+                         "detectron2 weights to write (.pkl)", convert, _report)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,13 @@ missing). A small-stem backbone keeps its 3x3 ``conv1``: rebuild the stem first
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
 import torch
 
-from converters.checkpoint_io import CheckpointError, add_arguments, atomic_write, load_backbone, summary_lines
+from converters.checkpoint_io import CheckpointError, run_converter, atomic_write, load_backbone, summary_lines
 
 
 def convert(in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query",
@@ -34,20 +33,16 @@ def convert(in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: st
             "tensors": len(backbone.state_dict), "dropped": backbone.dropped, "lines": summary_lines(backbone)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m converters.to_torchvision", description=__doc__.split("\n")[0])
-    add_arguments(parser, "torchvision state dict to write (.pth)")
-    args = parser.parse_args(argv)
-    try:
-        summary = convert(args.input, args.output, args.encoder, args.layout)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+def _report(summary: dict) -> None:
     print(*summary["lines"], sep="\n")
     stem_note = "" if summary["stem"] == "imagenet" else "; small stem: rebuild conv1 as 3x3/1 and drop the max-pool"
     print(f"wrote {summary['tensors']} tensors to {summary['output']}: torchvision.models.{summary['arch']}() "
           f"loads them with strict=False (fc.* missing){stem_note}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_converter(argv, "python -m converters.to_torchvision", __doc__.split("\n")[0],
+                         "torchvision state dict to write (.pth)", convert, _report)
 
 
 if __name__ == "__main__":

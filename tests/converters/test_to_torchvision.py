@@ -40,3 +40,16 @@ def test_refuses_pkl_output_and_bad_input(layout_files, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "junk.pth: not a readable torch checkpoint" in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.pth"]
+
+
+@pytest.mark.parametrize("converter", ["to_torchvision", "to_detectron2"])
+def test_an_unusable_output_path_is_one_line_not_a_traceback(converter, layout_files, tmp_path, capsys):
+    import importlib
+
+    main_of = importlib.import_module(f"converters.{converter}").main
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / ("r18.pkl" if converter == "to_detectron2" else "r18.pth")  # its folder is a file
+    assert main_of([str(layout_files["torchvision"][0]), str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and str(blocker) in err, err
