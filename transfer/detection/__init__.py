@@ -1,4 +1,3 @@
 """Detection transfer with detectron2: FPN and C4 fine-tuning on COCO and VOC (``python -m
-transfer.detection``). Importing the package registers ``Res5ROIHeadsExtraNorm``."""
-
-from transfer.detection import roi_heads  # noqa: F401
+transfer.detection``). ``transfer.detection.config`` registers ``Res5ROIHeadsExtraNorm`` when it is
+imported; the package itself imports nothing, so that ``--help`` does not load detectron2."""

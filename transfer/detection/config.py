@@ -26,10 +26,11 @@ import torch
 from detectron2.config import CfgNode, get_cfg
 from yacs.config import CfgNode as _YacsNode
 
+from contrastive_transfer.cli import UserError
 from transfer.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """Bad config file, key, value or weights file; the message names it."""
 
 

@@ -13,6 +13,8 @@ naming the file, raised before training starts (:func:`check_datasets`).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -24,8 +26,10 @@ from detectron2.data.datasets.coco import load_coco_json
 from detectron2.data.datasets.pascal_voc import CLASS_NAMES as VOC_CLASS_NAMES
 from detectron2.data.datasets.pascal_voc import load_voc_instances
 
+from contrastive_transfer.cli import UserError
 
-class DatasetError(FileNotFoundError):
+
+class DatasetError(UserError, FileNotFoundError):
     """A dataset file is missing or unreadable; the message names it and the expected layout."""
 
 
@@ -33,12 +37,65 @@ def default_root() -> Path:
     return Path(os.path.expanduser(os.getenv("DETECTRON2_DATASETS", "datasets")))
 
 
-def _all_images_exist(name: str, records: list[dict]) -> list[dict]:
+# A box may overhang its image by this much (pixels, or this fraction of the side if larger):
+# annotation tools round, and VOC's 1-based corners reach the last pixel. It is clipped and counted;
+# anything further out is a broken annotation and stops the run.
+BOX_TOLERANCE_PX, BOX_TOLERANCE_FRACTION = 2.0, 0.01
+
+
+def _checked(name: str, source: Path, records: list[dict]) -> list[dict]:
+    """The records, after checking that every image exists and every box is a box inside its
+    image (clipped within the tolerance, refused beyond); a one-line DatasetError otherwise."""
+    from detectron2.structures import BoxMode
+
+    if not records:
+        raise DatasetError(f"dataset {name}: {source} lists no images")
+    clipped = 0
     for record in records:
         if not os.path.isfile(record["file_name"]):
             raise DatasetError(f"dataset {name}: image {record['file_name']} is missing "
-                               f"({len(records)} images listed)")
+                               f"({len(records)} images listed in {source})")
+        width, height = record["width"], record["height"]
+        for ann in record.get("annotations", []):
+            x0, y0, x1, y1 = BoxMode.convert(list(ann["bbox"]), ann["bbox_mode"], BoxMode.XYXY_ABS)
+            where = f"dataset {name}: {source}: image {record['file_name']} ({width}x{height})"
+            if not (x1 > x0 and y1 > y0):
+                raise DatasetError(f"{where} has a box of non-positive size {[x0, y0, x1, y1]}; fix or remove it")
+            tol_x = max(BOX_TOLERANCE_PX, BOX_TOLERANCE_FRACTION * width)
+            tol_y = max(BOX_TOLERANCE_PX, BOX_TOLERANCE_FRACTION * height)
+            if x0 < -tol_x or y0 < -tol_y or x1 > width + tol_x or y1 > height + tol_y:
+                raise DatasetError(f"{where} has a box {[x0, y0, x1, y1]} outside the image (beyond the "
+                                   f"{BOX_TOLERANCE_PX:g} px / {BOX_TOLERANCE_FRACTION:.0%} tolerance); fix it")
+            box = [min(max(x0, 0.0), width), min(max(y0, 0.0), height), min(max(x1, 0.0), width),
+                   min(max(y1, 0.0), height)]
+            if box != [x0, y0, x1, y1]:
+                clipped += 1
+                ann["bbox"], ann["bbox_mode"] = box, BoxMode.XYXY_ABS
+    if clipped:
+        logging.getLogger("detectron2").warning(f"dataset {name}: clipped {clipped} boxes that overhung their "
+                                                f"image by less than the tolerance ({source})")
     return records
+
+
+def _check_coco_json(name: str, path: Path) -> None:
+    """The fields detectron2 reads, present and consistent, before it reads them."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"dataset {name}: {path} is not valid JSON ({e})") from None
+    missing = [key for key in ("images", "annotations", "categories") if not isinstance(data.get(key), list)]
+    if missing:
+        raise DatasetError(f"dataset {name}: {path} has no {' / '.join(repr(k) for k in missing)} list "
+                           "(a COCO instances file needs images, annotations and categories)")
+    images = {image.get("id") for image in data["images"]}
+    categories = {category.get("id") for category in data["categories"]}
+    for ann in data["annotations"]:
+        if ann.get("image_id") not in images:
+            raise DatasetError(f"dataset {name}: {path}: annotation {ann.get('id')} points to image_id "
+                               f"{ann.get('image_id')}, which is not in 'images'")
+        if ann.get("category_id") not in categories:
+            raise DatasetError(f"dataset {name}: {path}: annotation {ann.get('id')} has category_id "
+                               f"{ann.get('category_id')}, which is not in 'categories'")
 
 
 @dataclass(frozen=True)
@@ -64,7 +121,7 @@ class VocSplit:
             if not (base / "Annotations" / f"{image_id}.xml").is_file():
                 raise DatasetError(f"dataset {name}: annotation {base / 'Annotations' / image_id}.xml "
                                    f"is missing (listed in ImageSets/Main/{self.split}.txt)")
-        return _all_images_exist(name, load_voc_instances(str(base), self.split, VOC_CLASS_NAMES))
+        return _checked(name, base / "Annotations", load_voc_instances(str(base), self.split, VOC_CLASS_NAMES))
 
     def register(self, name: str, root: Path) -> None:
         DatasetCatalog.register(name, partial(self.load, name, root))
@@ -84,7 +141,9 @@ class CocoSplit:
         return [root / self.json_file, root / self.image_dir]
 
     def load(self, name: str, root: Path) -> list[dict]:
-        return _all_images_exist(name, load_coco_json(str(root / self.json_file), str(root / self.image_dir), name))
+        _check_coco_json(name, root / self.json_file)
+        return _checked(name, root / self.json_file,
+                        load_coco_json(str(root / self.json_file), str(root / self.image_dir), name))
 
     def register(self, name: str, root: Path) -> None:
         DatasetCatalog.register(name, partial(self.load, name, root))

@@ -21,7 +21,7 @@ from detectron2.engine import default_setup, launch
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
-from contrastive_transfer.cli import atomic_write
+from contrastive_transfer.cli import OutputLock, UserError, atomic_write
 from transfer.detection.config import ConfigError, build_config, read_weights
 from transfer.detection.datasets import check_datasets, register_datasets
 from transfer.detection.trainer import BackboneCheckingCheckpointer, Trainer
@@ -107,7 +107,9 @@ def check_inputs(cfg: CfgNode, args) -> None:
     """Everything that can be checked before any process starts training."""
     names = list(cfg.DATASETS.TEST) + ([] if args.eval_only else list(cfg.DATASETS.TRAIN))
     check_datasets(names, args.data_root)
-    check_datasets(cfg.DATASETS.TEST, args.data_root, load=True)  # otherwise first read after training
+    # Read (and validate) every set now: a broken test set would otherwise surface after training,
+    # a broken training set inside the launched processes as a traceback.
+    check_datasets(names, args.data_root, load=True)
     if cfg.MODEL.WEIGHTS and "://" not in cfg.MODEL.WEIGHTS:
         read_weights(cfg.MODEL.WEIGHTS)
     elif not cfg.MODEL.WEIGHTS:
@@ -149,11 +151,17 @@ def summary_lines(metrics: dict) -> list[str]:
 
 
 def run(args) -> dict:
-    """The whole job (all seeds); returns what it wrote to ``OUTPUT_DIR/metrics.json``."""
+    """The whole job (all seeds); returns what it wrote to ``OUTPUT_DIR/metrics.json``. The output
+    directory is locked on each machine for the job (a second job into it stops at once)."""
     world_size = args.num_gpus * args.num_machines
     cfg, notes = build_config(args.config_file, args.opts, world_size)
     register_datasets(args.data_root)
     check_inputs(cfg, args)
+    with OutputLock(cfg.OUTPUT_DIR, "OUTPUT_DIR"):
+        return _run_seeds(cfg, notes, args)
+
+
+def _run_seeds(cfg: CfgNode, notes: list[str], args) -> dict:
     seeds = seed_list(cfg.SEED, args.seeds)
     out = Path(cfg.OUTPUT_DIR)
     runs = {}
@@ -171,6 +179,11 @@ def run(args) -> dict:
             runs[seed] = json.loads(metrics_path.read_text())
     if args.machine_rank != 0:
         return {}
+    empty = sorted({f"seed {seed}: {name}" for seed, r in runs.items() for name, res in r["results"].items()
+                    if not res} | {f"seed {seed}" for seed, r in runs.items() if not r["results"]})
+    if empty:
+        raise UserError(f"the evaluation produced no results ({', '.join(empty)}); see {out}/log.txt "
+                        "(a test set without annotations, or DATASETS.TEST empty)")
     if len(seeds) == 1:
         metrics = runs[seeds[0]]
     else:

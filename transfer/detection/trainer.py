@@ -15,6 +15,8 @@ from detectron2.data import MetadataCatalog
 from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
+from contrastive_transfer.cli import UserError
+
 logger = logging.getLogger("detectron2")
 
 # Pretrained ResNet body tensors in a detection model: the stem and the res2..res5 blocks, under
@@ -31,7 +33,7 @@ EVALUATORS = {
 }
 
 
-class BackboneNotLoaded(RuntimeError):
+class BackboneNotLoaded(UserError, RuntimeError):
     pass
 
 
