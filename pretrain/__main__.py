@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     precision, note = resolve_mixed_precision(cfg)
 
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
+    from datetime import timedelta
+
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     from pretrain.engine import train
 
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         project_dir=cfg.train.output_dir,
         # Buffers (queues, BN statistics) are never re-broadcast from rank 0: queues are kept
         # identical by gathered enqueues, and per-process BN statistics are part of shuffle BN.
-        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
+                         InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.train.dist_timeout_minutes))],
     )
     if accelerator.num_processes != num_processes:
         raise UserError(f"WORLD_SIZE={num_processes} but Accelerate runs {accelerator.num_processes} processes; "

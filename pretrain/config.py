@@ -65,6 +65,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "channels_last": None,  # NHWC memory for the encoders and images; null: on CUDA yes, on CPU no
         "cudnn_benchmark": None,  # cuDNN picks the fastest convolution per shape; null: on CUDA yes
         "compile": False,  # torch.compile the encoders (minutes of compilation at start; off by default)
+        "dist_timeout_minutes": 60,  # how long a process waits in a collective (NCCL's default is 10)
     },
     "knn": {  # optional kNN monitor on a labelled ImageFolder, every `every_epochs` epochs
         "train_dir": None,

@@ -273,15 +273,17 @@ def _train(cfg, accelerator: Accelerator) -> Path:
         if epoch_done and step != last_step:
             save(step)
         if epoch_done and cfg.knn.train_dir and (step // steps_per_epoch) % cfg.knn.every_epochs == 0:
+            # Every process extracts its share of the images (with workers and autocast) and votes
+            # on its device, so no process waits in a barrier while one does all the work.
+            acc = knn_accuracy(method.backbone, cfg.knn.train_dir, cfg.knn.val_dir, cfg.data.image_size,
+                               accelerator.device, cfg.knn.k, cfg.knn.temperature, workers=cfg.data.num_workers,
+                               autocast=accelerator.autocast)
             if main:
-                acc = knn_accuracy(method.backbone, cfg.knn.train_dir, cfg.knn.val_dir, cfg.data.image_size,
-                                   accelerator.device, cfg.knn.k, cfg.knn.temperature)
                 row = {"step": step, "epoch": step / steps_per_epoch, "knn_top1": acc}
                 accelerator.log(row, step=step)
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
                 bar.write(f"epoch {step // steps_per_epoch}: kNN top-1 {acc:.2f}%")
-            accelerator.wait_for_everyone()
     bar.close()
 
     # ------------------------------------------------------------------ export
