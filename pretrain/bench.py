@@ -77,6 +77,7 @@ def _engine_seconds(recipe: str, overrides: list[str], warmup: int, steps: int) 
 def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> dict:
     from pretrain.config import load_config
     from pretrain.data import ImageDataset, build_loader
+    from pretrain.engine import gpu_settings
     from pretrain.methods import METHODS
     from pretrain.optim import build_optimizer
 
@@ -85,10 +86,11 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.train.cpu else "cpu")
     torch.manual_seed(0)
     method = METHODS[cfg.method.name](cfg, 1).to(device).train()
+    speed = gpu_settings(cfg, method, device)  # the engine's channels_last / cudnn / compile settings
     optimizer = build_optimizer(method, cfg)
     dataset = ImageDataset(cfg.data.root, method.view_transforms(cfg), seed=0)
     views, _, _ = next(iter(build_loader(dataset, cfg.train.batch_size)))
-    views = [v.to(device) for v in views]
+    views = [v.to(device, memory_format=speed.memory_format) for v in views]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def bare_step():
@@ -96,7 +98,7 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        method.after_step()
+        method.after_step(skipped=False)
         sync()
 
     backbone = method.backbone
@@ -112,7 +114,8 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     peak = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return {"recipe": recipe, "method": cfg.method.name, "arch": cfg.model.arch, "image_size": cfg.data.image_size,
-            "batch": images, "views": len(views), "device": device.type, "engine_s": engine, "bare_s": bare,
+            "batch": images, "views": len(views), "device": device.type, "channels_last": speed.channels_last,
+            "compiled": speed.compiled, "engine_s": engine, "bare_s": bare,
             "backbone_s": backbone_only, "images_per_s": images / engine, "peak_mib": peak,
             "engine_over_bare": engine / bare, "bare_over_backbone": bare / backbone_only}
 
@@ -179,19 +182,20 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
         "",
         f"`python -m pretrain.bench {' '.join(sys.argv[1:])}` on {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPU cores, torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}; "
-        f"median of {args.steps} steps after {args.warmup} warm-up steps.",
+        f"median of {args.steps} steps after {args.warmup} warm-up steps"
+        + (f"; GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "; no GPU") + ".",
         "",
         "Engine = the real loop (`pretrain.engine.train`) minus its logged data time; bare = the method's "
         "forward/backward/step/after_step on an in-memory batch; backbone = the backbone's forward/backward "
         "on every view. Goal: engine / bare ≤ 1.05.",
         "",
-        "| recipe | method | arch | px | batch | views | engine ms/step | images/s | bare ms | engine/bare | "
-        "backbone ms | bare/backbone | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | method | arch | px | batch | views | device | channels_last | compiled | engine ms/step | "
+        "images/s | bare ms | engine/bare | backbone ms | bare/backbone | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['recipe']} | {r['method']} | {r['arch']} | {r['image_size']} | {r['batch']} | {r['views']} | "
-                     f"{1e3 * r['engine_s']:.1f} | {r['images_per_s']:.1f} | {1e3 * r['bare_s']:.1f} | "
+                     f"{r['device']} | {r['channels_last']} | {r['compiled']} | {1e3 * r['engine_s']:.1f} | {r['images_per_s']:.1f} | {1e3 * r['bare_s']:.1f} | "
                      f"{r['engine_over_bare']:.3f} | {1e3 * r['backbone_s']:.1f} | {r['bare_over_backbone']:.2f} | "
                      f"{r['peak_mib']:.0f} |")
     lines += ["", "Two-view augmentation throughput (images/s, each image giving two views; decode included; "
@@ -212,9 +216,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--aug-sizes", default="64,224", help="augmentation benchmark output sizes")
     parser.add_argument("--aug-images", type=int, default=256)
     parser.add_argument("--out", default="benchmarks/pretrain.md")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where the steps run (auto: CUDA when available)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every recipe, e.g. train.channels_last=true (repeatable)")
+    parser.add_argument("--no-augmentation", action="store_true", help="skip the augmentation throughput part")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: one recipe, JSON out
     args = parser.parse_args(argv)
-    overrides = [f"data.root={args.data_root}", "data.num_workers=0"]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: no CUDA device is visible")
+    overrides = [f"data.root={args.data_root}", "data.num_workers=0", *args.set]
+    if args.device == "cpu":
+        overrides.append("train.cpu=true")
     if args.one:
         print("RESULT=" + json.dumps(bench_recipe(args.one, overrides, args.warmup, args.steps)))
         return
@@ -225,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for recipe in recipes:
         res = subprocess.run([sys.executable, "-m", "pretrain.bench", "--one", recipe, "--data-root", args.data_root,
-                              "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                              "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+                              *(f"--set={kv}" for kv in args.set)],
                              capture_output=True, text=True)
         if res.returncode != 0 or "RESULT=" not in res.stdout:
             sys.exit(f"error: benchmark of {recipe} failed:\n{res.stderr[-2000:]}")
@@ -235,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{1e3 * r['bare_s']:.1f} ms, engine/bare {r['engine_over_bare']:.3f}, peak {r['peak_mib']:.0f} MiB",
               flush=True)
     aug = []
-    for size in (int(s) for s in args.aug_sizes.split(",")):
+    for size in ([] if args.no_augmentation else (int(s) for s in args.aug_sizes.split(","))):
         for recipe in ("mocov1", "mocov2", "simclr", "byol"):
             aug.append(bench_augmentation(recipe, args.data_root, size, args.aug_images))
             a = aug[-1]

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# What the CPU-only CI cannot check, for a user with GPUs (1 or more; unchanged on 8):
+#   1. SimCLR on 1 GPU vs 2 GPUs (NCCL, torch SyncBatchNorm), same global batch: equal losses;
+#      MoCo v2 on 2 GPUs (shuffle BN across GPUs): trains with finite losses;
+#   2. images/s and peak memory per GPU, fp32 vs bf16, with and without channels_last and
+#      torch.compile (python -m pretrain.bench --device cuda), written to benchmarks/gpu.md.
+# Usage: bash tools/gpu_check.sh            (after `make setup` with a CUDA build of torch)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+DATA=${DATA:-datasets/synthetic}
+WORK=${WORK:-outputs/gpu_check}
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -lt 1 ]; then echo "error: no CUDA device visible to $PY (install a CUDA build of torch)"; exit 1; fi
+[ -f "$DATA/manifest.json" ] || $PY -m transfer.datasets.synthetic --out "$DATA" --preset small
+rm -rf "$WORK" && mkdir -p "$WORK"
+run() {  # run NAME NPROC RECIPE [overrides...]
+  local name=$1 nproc=$2 recipe=$3; shift 3
+  $PY -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m pretrain \
+    --config "configs/pretrain/$recipe.yaml" "data.root=$DATA/imagenet/train" "train.output_dir=$WORK/$name" \
+    train.max_steps=5 train.log_every=1 train.batch_size=64 train.resume=none "$@" > "$WORK/$name.log" 2>&1 \
+    || { echo "error: $name failed, see $WORK/$name.log"; exit 1; }
+}
+echo "== 1. equivalence"
+if [ "$GPUS" -ge 2 ]; then
+  run simclr_1gpu 1 tiny_simclr
+  run simclr_2gpu 2 tiny_simclr
+  $PY tools/gpu_equivalence.py "$WORK/simclr_2gpu" "$WORK/simclr_1gpu" --rtol 1e-3 | tee "$WORK/equivalence.txt"
+  run mocov2_2gpu 2 tiny_mocov2
+  echo "mocov2 on 2 GPUs: $(grep -c '"loss"' "$WORK/mocov2_2gpu/metrics.jsonl") finite steps logged" | tee -a "$WORK/equivalence.txt"
+else
+  echo "one GPU: the 2-GPU equivalence needs two (skipped)" | tee "$WORK/equivalence.txt"
+fi
+echo "== 2. speed and memory"
+RECIPES=${RECIPES:-tiny_mocov2,tiny_simclr}
+for variant in "fp32:train.mixed_precision=no" "bf16:train.mixed_precision=bf16" \
+               "bf16_nchw:train.mixed_precision=bf16 train.channels_last=false" \
+               "bf16_compiled:train.mixed_precision=bf16 train.compile=true"; do
+  name=${variant%%:*}; sets=""
+  for kv in ${variant#*:}; do sets="$sets --set=$kv"; done
+  # shellcheck disable=SC2086
+  $PY -m pretrain.bench --device cuda --no-augmentation --recipes "$RECIPES" --data-root "$DATA/imagenet/train" \
+    --set=data.image_size=224 --set=train.batch_size=128 $sets --out "$WORK/bench_$name.md"
+done
+{
+  echo "# GPU check"
+  echo
+  echo "\`bash tools/gpu_check.sh\` on $($PY -c 'import torch; print(torch.cuda.get_device_name())') x $GPUS, $(date -u +%F)."
+  echo
+  echo "## Equivalence"; echo; echo '```'; cat "$WORK/equivalence.txt"; echo '```'
+  for f in "$WORK"/bench_*.md; do echo; echo "## $(basename "$f" .md)"; tail -n +2 "$f"; done
+} > benchmarks/gpu.md
+echo "wrote benchmarks/gpu.md"
