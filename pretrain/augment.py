@@ -22,9 +22,9 @@ torchvision's kernel ``softmax(−(t/σ)²)``, t = linspace(±(k−1)/(2√2)), 
 padding, one σ per sample; solarize inverts ``x ≥ threshold``. They run on float rather than
 on uint8, so intermediate results are not rounded to 1/255 steps.
 
-The flip may be listed after photometric ops (MoCo's order) because it commutes with all of
-them: they are pointwise, use a flip-invariant mean, or (blur) a symmetric kernel with
-symmetric padding. It runs in stage 1.
+Geometric ops run in stage 1 wherever they are listed. For the flip, listed after the colour
+ops in MoCo's order, this changes nothing: it commutes with all of them (they are pointwise, use a
+flip-invariant mean, or (blur) a symmetric kernel with symmetric padding).
 """
 
 from __future__ import annotations
@@ -212,8 +212,10 @@ class SolarizeStage:
 # Which batched stage runs each torchvision op (RandomApply([op], p) is unwrapped into op, p).
 PHOTOMETRIC_STAGES = {v2.ColorJitter: ColorJitterStage, v2.RandomGrayscale: GrayscaleStage,
                       v2.GaussianBlur: GaussianBlurStage, v2.RandomSolarize: SolarizeStage}
-GEOMETRIC = (v2.RandomResizedCrop, v2.RandomHorizontalFlip)
-COMMUTES_WITH_PHOTOMETRIC = (v2.RandomHorizontalFlip,)
+# Per-sample ops on the uint8 image (stage 1). They run before the colour ops wherever they are
+# listed: flips commute with every colour op; for the others this is the declared semantics.
+GEOMETRIC = (v2.RandomResizedCrop, v2.RandomHorizontalFlip, v2.RandomVerticalFlip, v2.RandomRotation,
+             v2.RandomAffine, v2.RandomPerspective, v2.RandomEqualize)
 
 
 class ViewTransform:
@@ -235,11 +237,8 @@ class ViewTransform:
                 if len(op.transforms) != 1:
                     raise ValueError(f"ViewTransform: RandomApply must wrap one op, got {op.transforms}")
                 inner, p = op.transforms[0], op.p
-            if isinstance(op, GEOMETRIC):
-                if self.stages and not isinstance(op, COMMUTES_WITH_PHOTOMETRIC):
-                    raise ValueError(f"ViewTransform: {type(op).__name__} after a colour op does not commute "
-                                     f"with it; put it before the colour ops")
-                self.geometric.append(op)
+            if isinstance(op, GEOMETRIC) or isinstance(inner, GEOMETRIC):
+                self.geometric.append(op)  # stage 1, whatever its place among the colour ops
             elif type(inner) in PHOTOMETRIC_STAGES:
                 stage = PHOTOMETRIC_STAGES[type(inner)](inner, p)
                 start = self.slices[-1].stop if self.slices else 0

@@ -108,13 +108,15 @@ def save_training_state(path: Path, accelerator, method, optimizer, step: int, s
 # A resume continues the same run: these keys must not change in between (the rest may, e.g.
 # train.max_steps or logging cadence).
 RESUME_INVARIANT_KEYS = ("method", "model", "optim.name", "optim.exclude_norm_bias", "train.batch_size",
-                         "train.seed", "data.root", "data.augmentation", "data.image_size", "data.min_crop_scale")
+                         "train.seed", "data.root", "data.augmentation", "data.views", "data.image_size",
+                         "data.min_crop_scale")
+_ABSENT = object()
 
 
-def _select(tree: dict, dotted: str):
+def _select(tree: dict, dotted: str, missing=None):
     for part in dotted.split("."):
         if not isinstance(tree, dict) or part not in tree:
-            return None
+            return missing
         tree = tree[part]
     return tree
 
@@ -122,7 +124,9 @@ def _select(tree: dict, dotted: str):
 def _check_same_setup(path: Path, saved: dict, cfg) -> None:
     current = OmegaConf.to_container(cfg)
     for key in RESUME_INVARIANT_KEYS:
-        was, now = _select(saved, key), _select(current, key)
+        was, now = _select(saved, key, _ABSENT), _select(current, key)
+        if was is _ABSENT and key in _select(current, key.rsplit(".", 1)[0], {}):
+            continue  # a key added after the checkpoint was written (e.g. data.views): nothing to compare
         if was != now:
             raise ResumeError(f"checkpoint {path} was written with {key}={was}, this run has {key}={now}: "
                                "resume with the same setting, or start afresh with train.resume=none "

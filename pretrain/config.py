@@ -27,7 +27,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "model": {"arch": "resnet50", "stem": "imagenet"},  # stem: imagenet | small (3×3/1 conv, no max-pool)
     "data": {
         "root": "datasets/imagenet/train",  # ImageFolder or a flat folder of images
-        "augmentation": "mocov2",  # mocov1 | mocov2 | simclr | byol
+        "augmentation": "mocov2",  # the preset of configs/augment/: mocov1 | mocov2 | simclr | byol
+        "views": None,  # null: the preset's views; a list replaces them; data.views.0.jitter.p=0.5 edits (docs/augmentation.md)
         "image_size": 224,
         "min_crop_scale": None,  # lower bound of the crop area; None: the recipe's (MoCo 0.2, SimCLR/BYOL 0.08)
         "num_workers": 8,
@@ -78,7 +79,6 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 
 CHOICES = {
     "model.stem": ("imagenet", "small"),
-    "data.augmentation": ("mocov1", "mocov2", "simclr", "byol"),
     "optim.name": ("sgd", "lars"),
     "optim.lr_scaling": ("linear", "sqrt", "none"),
     "optim.schedule": ("cosine", "step", "constant"),
@@ -137,6 +137,12 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     OmegaConf.resolve(cfg)
     if cfg.train.mixed_precision is False:  # YAML reads a bare `no` as false
         cfg.train.mixed_precision = "no"
+    from pretrain.views import ViewError, resolve
+
+    try:  # the views in full, so that config.yaml and --print-config show what runs
+        cfg.data.views = resolve(cfg.data.augmentation, cfg.data.views)
+    except ViewError as e:
+        raise ConfigError(str(e)) from None
     validate(cfg, num_processes)
     return cfg
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from pretrain import dist
 from pretrain.config import ConfigError
@@ -98,7 +99,7 @@ class AdCo(QueryKeyEncoders, Method):
         size = cfg.data.image_size
         sizes = [max(1, round(s * size / 224)) for s in m.query_crops]
         return build_multicrop_transforms(size, sizes, m.query_crop_min_scales, m.query_crop_max_scales,
-                                          cfg.data.min_crop_scale)
+                                          cfg.data.min_crop_scale, view=OmegaConf.to_container(cfg.data.views)[0])
 
     def __init__(self, cfg, num_processes: int) -> None:
         super().__init__()

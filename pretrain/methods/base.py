@@ -47,7 +47,8 @@ class Method(nn.Module):
 
     @classmethod
     def view_transforms(cls, cfg) -> list[Callable]:
-        return build_view_transforms(cfg.data.augmentation, cfg.data.image_size, cfg.data.min_crop_scale)
+        return build_view_transforms(cfg.data.augmentation, cfg.data.image_size, cfg.data.min_crop_scale,
+                                     cfg.data.views)
 
     def after_step(self, skipped: bool = False) -> None:
         """Called by the engine right after ``optimizer.step()`` (outside autocast); ``skipped``:
