@@ -169,10 +169,24 @@ def bench_augmentation(recipe: str, root: str, size: int, n_images: int) -> dict
             for view in plain:
                 view(image)
 
+    deferred = ImageDataset(root, build_view_transforms(recipe, size), seed=0, colour_on_device=True)
+
+    def run_deferred():  # a worker that leaves the colour stage to the GPU (data.colour_on_device)
+        for start in range(0, len(paths), AUG_BATCH):
+            collate(deferred.__getitems__(list(range(start, min(start + AUG_BATCH, len(paths))))))
+
+    def sent_bytes(dataset) -> float:  # per image, all views, as the worker hands them to the main process
+        views, _, _ = collate(dataset.__getitems__(list(range(AUG_BATCH))))
+        return sum(sum(t.numel() * t.element_size() for t in (v if isinstance(v, tuple) else (v,)))
+                   for v in views) / AUG_BATCH
+
     t_ours = _median_time(run_ours, 1, 3)
     t_plain = _median_time(run_plain, 1, 3)
+    t_deferred = _median_time(run_deferred, 1, 3)
     return {"augmentation": recipe, "image_size": size, "images": len(paths),
-            "ours_per_s": len(paths) / t_ours, "plain_per_s": len(paths) / t_plain, "speedup": t_plain / t_ours}
+            "ours_per_s": len(paths) / t_ours, "plain_per_s": len(paths) / t_plain, "speedup": t_plain / t_ours,
+            "worker_ms": 1e3 * t_ours / len(paths), "deferred_worker_ms": 1e3 * t_deferred / len(paths),
+            "bytes": sent_bytes(ours), "deferred_bytes": sent_bytes(deferred)}
 
 
 # ------------------------------------------------------------------------------- report
@@ -204,6 +218,14 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
     for a in aug:
         lines.append(f"| {a['augmentation']} | {a['image_size']} | {a['images']} | {a['ours_per_s']:.1f} | "
                      f"{a['plain_per_s']:.1f} | {a['speedup']:.2f}× |")
+    lines += ["", "Worker cost per image (two views) with the colour stage in the worker (the CPU path) or left "
+              "to the GPU (`data.colour_on_device`, default on CUDA), and the bytes per image a worker sends "
+              "(float32 views vs uint8 crops + random draws).", "",
+              "| augmentation | px | worker ms/img | worker ms/img, colour on device | bytes/img | "
+              "bytes/img, colour on device |", "|---|---|---|---|---|---|"]
+    for a in aug:
+        lines.append(f"| {a['augmentation']} | {a['image_size']} | {a['worker_ms']:.2f} | "
+                     f"{a['deferred_worker_ms']:.2f} | {a['bytes']:.0f} | {a['deferred_bytes']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -254,7 +276,9 @@ def main(argv: list[str] | None = None) -> None:
             aug.append(bench_augmentation(recipe, args.data_root, size, args.aug_images))
             a = aug[-1]
             print(f"augmentation {recipe} @{size}px: ours {a['ours_per_s']:.1f} img/s, plain PIL "
-                  f"{a['plain_per_s']:.1f} img/s, {a['speedup']:.2f}×", flush=True)
+                  f"{a['plain_per_s']:.1f} img/s, {a['speedup']:.2f}×; worker {a['worker_ms']:.2f} ms/img, "
+                  f"{a['deferred_worker_ms']:.2f} with colour on device; {a['bytes']:.0f} vs "
+                  f"{a['deferred_bytes']:.0f} bytes/img", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(_report(rows, aug, args))
     print(f"wrote {args.out}")

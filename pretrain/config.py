@@ -34,6 +34,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "num_workers": 8,
         "pin_memory": True,
         "max_bad_fraction": 0.001,  # stop when more than this fraction of images cannot be decoded
+        "colour_on_device": None,  # colour ops on the GPU after a uint8 copy (null: on CUDA yes, on CPU no)
     },
     "optim": {
         "name": "sgd",  # sgd | lars
@@ -169,7 +170,7 @@ def validate(cfg: DictConfig, num_processes: int) -> None:
     if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale <= 1):
         raise ConfigError(f"data.min_crop_scale={scale!r}: expected null (the recipe's) or a fraction of the "
                           "image area in (0, 1]")
-    for key in ("train.channels_last", "train.cudnn_benchmark", "train.compile"):
+    for key in ("train.channels_last", "train.cudnn_benchmark", "train.compile", "data.colour_on_device"):
         if OmegaConf.select(cfg, key) not in (None, True, False):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected true, false or null (automatic)")
     if cfg.train.max_steps is not None and cfg.train.max_steps <= 0:

@@ -124,9 +124,13 @@ class ImageDataset(Dataset):
     it is fetched in (``ds[i]`` included). Other view callables run per sample.
     """
 
-    def __init__(self, root: str | os.PathLike, views: Sequence[Callable], seed: int = 0):
+    def __init__(self, root: str | os.PathLike, views: Sequence[Callable], seed: int = 0,
+                 colour_on_device: bool = False):
         self.root = Path(root)
         self.views = list(views)
+        # True: the colour stage is left to the consumer (``finish_views``, on the GPU): items hold
+        # (uint8 crop, uniforms) per view, a quarter of the bytes of a float32 view.
+        self.colour_on_device = colour_on_device
         if not self.views:
             raise ValueError("ImageDataset needs at least one view transform")
         self.seed = int(seed)
@@ -167,7 +171,7 @@ class ImageDataset(Dataset):
             bads.append(bad)
         per_view = []
         for j, t in enumerate(self.views):
-            if isinstance(t, ViewTransform):
+            if isinstance(t, ViewTransform) and not self.colour_on_device:
                 crops, uniforms = zip(*(d[j] for d in drawn))
                 per_view.append(t.finish(torch.stack(crops), torch.stack(uniforms)).unbind(0))
             else:
@@ -190,11 +194,41 @@ def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def collate(batch) -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:
-    """[(views, label, bad)] → (one B×C×H×W tensor per view, labels (B,), all bad paths)."""
-    views = [_stack(v) for v in zip(*(item[0] for item in batch))]
+def collate(batch) -> tuple[list, torch.Tensor, list[str]]:
+    """[(views, label, bad)] → (one B×C×H×W tensor per view, labels (B,), all bad paths). A view
+    left for the device (``colour_on_device``) becomes a pair (B×C×H×W uint8 crops, B×U uniforms)."""
+    views = [(torch.stack([c for c, _ in v]), torch.stack([u for _, u in v])) if isinstance(v[0], tuple)
+             else _stack(v) for v in zip(*(item[0] for item in batch))]
     labels = torch.tensor([item[1] for item in batch], dtype=torch.int64)
     return views, labels, [p for item in batch for p in item[2]]
+
+
+def finish_views(views: list, transforms: Sequence[Callable], device: torch.device,
+                 memory_format: torch.memory_format = torch.preserve_format) -> list[torch.Tensor]:
+    """The batch's views on ``device``: finished views are copied; (crops, uniforms) pairs are
+    copied as uint8 and finished there (colour stage + normalisation, batched), which gives the
+    views the workers would have made (bit for bit on CPU, to float rounding on CUDA)."""
+    out = []
+    for view, transform in zip(views, transforms):
+        if isinstance(view, tuple):
+            crops, uniforms = (t.to(device, non_blocking=True) for t in view)
+            view = transform.finish(crops, uniforms)
+        out.append(view.to(device, non_blocking=True, memory_format=memory_format))
+    return out
+
+
+def prefetch(batches, move: Callable):
+    """Yield ``move(batch)`` one batch ahead: the next batch's (non-blocking, pinned) copy to the
+    device is issued before the current batch is used, so it overlaps the current step."""
+    iterator = iter(batches)
+    try:
+        ahead = move(next(iterator))
+    except StopIteration:
+        return
+    for batch in iterator:
+        current, ahead = ahead, move(batch)
+        yield current
+    yield ahead
 
 
 # ------------------------------------------------------------------------- sampler and loader

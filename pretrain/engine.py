@@ -25,7 +25,8 @@ from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove
 from pretrain.checkpoint import (LAST_NAME, PREV_NAME, ResumeError, choose_resume, export_final, git_sha,
                                  load_training_state, read_training_state, save_training_state)
 from pretrain.config import per_process_batch, scaled_lr
-from pretrain.data import BadImageTracker, ImageDataset, UnreadableImagesError, build_loader, set_loader_epoch
+from pretrain.data import (BadImageTracker, ImageDataset, UnreadableImagesError, build_loader, finish_views, prefetch,
+                           set_loader_epoch)
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
@@ -174,7 +175,9 @@ def _train(cfg, accelerator: Accelerator) -> Path:
 
     # ------------------------------------------------------------------ data
     views = method.view_transforms(cfg)  # two views of data.augmentation, or the method's own (multi-crop)
-    dataset = ImageDataset(cfg.data.root, views, seed=cfg.train.seed)
+    device = accelerator.device
+    colour_on_device = device.type == "cuda" if cfg.data.colour_on_device is None else cfg.data.colour_on_device
+    dataset = ImageDataset(cfg.data.root, views, seed=cfg.train.seed, colour_on_device=colour_on_device)
     loader = build_loader(dataset, n_local, n_proc, accelerator.process_index, cfg.train.seed,
                           cfg.data.num_workers, cfg.data.pin_memory and accelerator.device.type == "cuda")
     steps_per_epoch = loader.sampler.batches_per_epoch
@@ -215,17 +218,18 @@ def _train(cfg, accelerator: Accelerator) -> Path:
         epoch, start_batch = divmod(step, steps_per_epoch)
         set_loader_epoch(loader, epoch, start_batch)
         t0 = time.perf_counter()
-        for images, _, bad in loader:
+        to_device = lambda batch: (finish_views(batch[0], dataset.views, device, speed.memory_format),  # noqa: E731
+                                   batch[2])
+        for images, bad in prefetch(loader, to_device):
             t_data = time.perf_counter() - t0
-            bad_images.update(bad, len(images[0]))
+            bad_images.update(bad, n_local)
             lr = lr_at(cfg, step, steps_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             diagnose = (step + 1) % cfg.train.diagnostics_every == 0
             method.watch_grad = diagnose
 
-            output = model([x.to(accelerator.device, non_blocking=True, memory_format=speed.memory_format)
-                            for x in images])
+            output = model(images)
             loss = output["loss"]
             # Both stop conditions in one reduction that travels during the backward; read just
             # before the step, so the step never applies a non-finite update and all ranks stop together.

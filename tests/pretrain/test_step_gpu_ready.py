@@ -212,3 +212,54 @@ def test_engine_runs_channels_last_on_cpu(synthetic_root, tmp_path, capsys):
     assert "channels_last True | cudnn.benchmark False" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r][-1] == 2
+
+
+# ------------------------------------------------------------------------- colour on the device
+
+def test_colour_stage_on_the_device_equals_the_workers(synthetic_root):
+    """Workers that send uint8 crops + draws, finished by the consumer, give the workers' views
+    bit for bit (the device path runs here on CPU tensors)."""
+    from pretrain.data import (ImageDataset, build_multicrop_transforms, build_view_transforms, collate,
+                               finish_views)
+
+    root = synthetic_root / "imagenet" / "train"
+    for views in (build_view_transforms("mocov2", 24), build_view_transforms("byol", 24),
+                  build_multicrop_transforms(32, [32, 16], [0.2, 0.1], [1.0, 0.5])):
+        workers = ImageDataset(root, views, seed=4)
+        deferred = ImageDataset(root, views, seed=4, colour_on_device=True)
+        for ds in (workers, deferred):
+            ds.set_epoch(3)
+        indices = [2, 11, 40, 41]
+        want, _, _ = collate(workers.__getitems__(indices))
+        sent, _, _ = collate(deferred.__getitems__(indices))
+        assert all(isinstance(v, tuple) and v[0].dtype == torch.uint8 for v in sent)
+        sent_bytes = sum(c.numel() * c.element_size() + u.numel() * u.element_size() for c, u in sent)
+        assert sent_bytes < 0.3 * sum(w.numel() * w.element_size() for w in want)  # ~1/4 of float32
+        got = finish_views(sent, deferred.views, torch.device("cpu"))
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_prefetch_moves_one_batch_ahead_in_order():
+    from pretrain.data import prefetch
+
+    events = []
+
+    def move(b):
+        events.append(f"move {b}")
+        return b * 10
+
+    for item in prefetch(range(3), move):
+        events.append(f"use {item}")
+    assert events == ["move 0", "move 1", "use 0", "move 2", "use 10", "use 20"]
+    assert list(prefetch([], move)) == []
+
+
+def test_engine_with_colour_on_device_trains_the_same_bits(synthetic_root, tmp_path):
+    finals = []
+    for flag in ("false", "true"):
+        cfg = load_config(RECIPES / "tiny_simclr.yaml", [f"data.root={synthetic_root / 'imagenet' / 'train'}",
+                                                         f"train.output_dir={tmp_path / flag}", "train.max_steps=2",
+                                                         "data.num_workers=0", f"data.colour_on_device={flag}",
+                                                         "train.batch_size=8"])
+        finals.append(torch.load(train(cfg, Accelerator(cpu=True)), weights_only=False)["backbone"])
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
