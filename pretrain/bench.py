@@ -230,7 +230,14 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.bench", description=__doc__.splitlines()[0])
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["learning"]:  # `python -m pretrain.bench learning ...`: the learning table
+        from benchmarks.learning import main as learning
+
+        return learning(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.bench", description=__doc__.splitlines()[0],
+                                     epilog="`python -m pretrain.bench learning --help`: the table of what each "
+                                            "tiny recipe learns (benchmarks/learning.md)")
     parser.add_argument("--recipes", default=None, help="comma-separated recipe names (default: every tiny_*)")
     parser.add_argument("--data-root", default="datasets/synthetic/imagenet/train")
     parser.add_argument("--steps", type=int, default=20)
