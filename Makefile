@@ -8,7 +8,7 @@ PRESET ?= small
 SEED ?= 0
 METHOD ?= mocov2
 
-.PHONY: setup demo test test-fast clean-data
+.PHONY: setup demo test test-fast lint clean-data
 
 setup: $(STAMP)
 
@@ -29,6 +29,12 @@ test: setup
 # The suite without the tests marked `slow` (brief pretraining, detection training, the demo).
 test-fast: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow"
+
+# ruff (lint, import order, format) on the whole tree, mypy on the converters, the losses and the CLI helpers.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean-data:
 	rm -rf $(DATA)

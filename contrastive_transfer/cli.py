@@ -87,7 +87,8 @@ class OutputLock:
     NAME = ".lock"
 
     def __init__(self, directory: str | os.PathLike, what: str = "output directory"):
-        self.directory, self.what, self._fd = Path(directory), what, None
+        self.directory, self.what = Path(directory), what
+        self._fd: int | None = None
 
     def acquire(self) -> "OutputLock":
         import fcntl  # POSIX only; imported here so that the module imports everywhere

@@ -164,7 +164,7 @@ def _container(ckpt, path: str) -> dict[str, torch.Tensor] | None:
         obj = obj[part]
     if not isinstance(obj, Mapping):
         return None
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
     for k, v in obj.items():
         if isinstance(k, str) and isinstance(v, torch.Tensor):
             tensors.setdefault(_unwrap(k), v)

@@ -69,6 +69,9 @@ class AdversarialBank(nn.Module):
     state_dict (and every checkpoint) holds them. Not a parameter: the network optimizer and DDP
     must never touch it (its lr is 100× the network's)."""
 
+    weight: torch.Tensor
+    momentum_buffer: torch.Tensor
+
     def __init__(self, dim: int, size: int) -> None:
         super().__init__()
         self.register_buffer("weight", torch.randn(dim, size))
@@ -76,7 +79,7 @@ class AdversarialBank(nn.Module):
 
     @property
     def size(self) -> int:
-        return self.weight.shape[1]
+        return int(self.weight.shape[1])
 
     def logits(self, q: torch.Tensor) -> torch.Tensor:
         """(N, K) cosines ⟨q_i, n̂_k⟩ in fp32, differentiable in q (and in W if it requires grad)."""

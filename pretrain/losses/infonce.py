@@ -244,7 +244,9 @@ class InfoNCELoss(nn.Module):
         """log(1 + α) − loss with EqCo, else log(1 + k) − loss (k = negatives per query)."""
         if self.alpha is None and k is None:
             raise ValueError("mi_lower_bound needs k (negatives per query) when alpha is None")
-        return mi_lower_bound(loss, self.alpha if self.alpha is not None else k)
+        n_equivalent = self.alpha if self.alpha is not None else k
+        assert n_equivalent is not None  # checked above
+        return mi_lower_bound(loss, n_equivalent)
 
     def extra_repr(self) -> str:
         return (
