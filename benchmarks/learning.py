@@ -55,7 +55,7 @@ def run_logged(cmd: list[str], log: Path) -> tuple[float, float]:
             while proc.poll() is None:
                 try:
                     rss = sum(p.memory_info().rss for p in [handle, *handle.children(recursive=True)])
-                    peak[0] = max(peak[0], rss / 2 ** 20)
+                    peak[0] = max(peak[0], rss / 2**20)
                 except psutil.Error:
                     pass
                 time.sleep(0.5)
@@ -75,14 +75,57 @@ def evaluate(weights: Path, data: Path, out: Path) -> dict[str, float]:
     py = sys.executable
     imagenet = data / "imagenet"
     if not (out / "knn" / "metrics.json").is_file():
-        run_logged([py, "-m", "transfer.knn", "--weights", str(weights), "--train-dir", str(imagenet / "train"),
-                    "--val-dir", str(imagenet / "val"), "--k", str(KNN_K), "--crop", "auto", "--workers", "0",
-                    "--output-dir", str(out / "knn")], out / "knn.log")
+        run_logged(
+            [
+                py,
+                "-m",
+                "transfer.knn",
+                "--weights",
+                str(weights),
+                "--train-dir",
+                str(imagenet / "train"),
+                "--val-dir",
+                str(imagenet / "val"),
+                "--k",
+                str(KNN_K),
+                "--crop",
+                "auto",
+                "--workers",
+                "0",
+                "--output-dir",
+                str(out / "knn"),
+            ],
+            out / "knn.log",
+        )
     if not (out / "linear" / "metrics.json").is_file():
-        run_logged([py, "-m", "transfer.linear", "--weights", str(weights), "--dataset", "imagenet", "--data-root",
-                    str(imagenet), "--preset", "moco", "--epochs", str(PROBE_EPOCHS), "--lr", str(PROBE_LR),
-                    "--batch-size", "64", "--crop", "auto", "--workers", "0", "--output-dir", str(out / "linear")],
-                   out / "linear.log")
+        run_logged(
+            [
+                py,
+                "-m",
+                "transfer.linear",
+                "--weights",
+                str(weights),
+                "--dataset",
+                "imagenet",
+                "--data-root",
+                str(imagenet),
+                "--preset",
+                "moco",
+                "--epochs",
+                str(PROBE_EPOCHS),
+                "--lr",
+                str(PROBE_LR),
+                "--batch-size",
+                "64",
+                "--crop",
+                "auto",
+                "--workers",
+                "0",
+                "--output-dir",
+                str(out / "linear"),
+            ],
+            out / "linear.log",
+        )
     knn = json.loads((out / "knn" / "metrics.json").read_text())
     probe = json.loads((out / "linear" / "metrics.json").read_text())
     return {"knn_top1": knn["top1"], "linear_top1": probe["top1"]}
@@ -101,8 +144,17 @@ def random_baseline(arch: str, stem: str, image_size: int, data: Path, work: Pat
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v for k, v in net.state_dict().items() if not k.startswith("fc.")}
         # In this project's layout, so that --crop auto sees the same pretraining size.
-        torch.save({"backbone": state, "arch": arch, "stem": stem, "method": "random", "step": 0,
-                    "config": {"data": {"image_size": image_size}}}, weights)
+        torch.save(
+            {
+                "backbone": state,
+                "arch": arch,
+                "stem": stem,
+                "method": "random",
+                "step": 0,
+                "config": {"data": {"image_size": image_size}},
+            },
+            weights,
+        )
     return evaluate(weights, data, out)
 
 
@@ -115,45 +167,71 @@ def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = Fals
     if fresh and run.exists():
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
-    overrides = [f"data.root={data / 'imagenet' / 'train'}", f"train.output_dir={run / 'pretrain'}",
-                 f"train.epochs={epochs}", "train.seed=0", "train.log_with=none"]
+    overrides = [
+        f"data.root={data / 'imagenet' / 'train'}",
+        f"train.output_dir={run / 'pretrain'}",
+        f"train.epochs={epochs}",
+        "train.seed=0",
+        "train.log_with=none",
+    ]
     cfg = load_config(RECIPES / f"{recipe}.yaml", overrides)
     config_hash = hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest()[:10]
     final = run / "pretrain" / "checkpoint_final.pth"
-    seconds, peak = run_logged([sys.executable, "-m", "pretrain", "--config", str(RECIPES / f"{recipe}.yaml"),
-                                *overrides], run / "pretrain.log")
+    seconds, peak = run_logged(
+        [sys.executable, "-m", "pretrain", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides],
+        run / "pretrain.log",
+    )
     rows = [json.loads(line) for line in (run / "pretrain" / "metrics.jsonl").read_text().splitlines()]
     steps = max(r["step"] for r in rows if "loss" in r)
     pretrained = evaluate(final, data, run)
     random = random_baseline(cfg.model.arch, cfg.model.stem, cfg.data.image_size, data, work)
-    return {"recipe": recipe, "method": cfg.method.name, "loss": cfg.method.get("loss", "-"), "epochs": epochs,
-            "steps": steps, "batch": cfg.train.batch_size, "image_size": cfg.data.image_size,
-            "seconds": seconds, "images_per_s": steps * cfg.train.batch_size / seconds, "peak_mib": peak,
-            **pretrained, "random_knn_top1": random["knn_top1"], "random_linear_top1": random["linear_top1"],
-            "config_hash": config_hash, "git_sha": _git_sha()}
+    return {
+        "recipe": recipe,
+        "method": cfg.method.name,
+        "loss": cfg.method.get("loss", "-"),
+        "epochs": epochs,
+        "steps": steps,
+        "batch": cfg.train.batch_size,
+        "image_size": cfg.data.image_size,
+        "seconds": seconds,
+        "images_per_s": steps * cfg.train.batch_size / seconds,
+        "peak_mib": peak,
+        **pretrained,
+        "random_knn_top1": random["knn_top1"],
+        "random_linear_top1": random["linear_top1"],
+        "config_hash": config_hash,
+        "git_sha": _git_sha(),
+    }
 
 
 def write_table(rows: dict[str, dict], recipes: list[str], out: Path, args) -> None:
-    lines = ["# Every method learns: tiny recipes on the synthetic data", "",
-             f"`python -m benchmarks.learning --epochs {args.epochs}`: each tiny recipe pretrained for "
-             f"{args.epochs} epochs on the `small` synthetic ImageNet-like set (1500 training images, 10 shape "
-             f"classes, 64 px), then kNN (k {KNN_K}) and a linear probe ({PROBE_EPOCHS} epochs, lr {PROBE_LR}) at "
-             "the pretraining size, against the same architecture at random initialization. Machine: "
-             f"{platform.machine()}, {os.cpu_count()} CPU cores, one thread per process; wall times of a "
-             "shared 2-core VM vary by ±20 %. One seed per row: differences of a few points are within "
-             "seed-to-seed spread. A row beats its init when kNN gains ≥ 5 points.", "",
-             "| recipe | method | kNN top-1 | random kNN | gain | probe top-1 | random probe | min | img/s | "
-             "peak MiB | config | git |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Every method learns: tiny recipes on the synthetic data",
+        "",
+        f"`python -m benchmarks.learning --epochs {args.epochs}`: each tiny recipe pretrained for "
+        f"{args.epochs} epochs on the `small` synthetic ImageNet-like set (1500 training images, 10 shape "
+        f"classes, 64 px), then kNN (k {KNN_K}) and a linear probe ({PROBE_EPOCHS} epochs, lr {PROBE_LR}) at "
+        "the pretraining size, against the same architecture at random initialization. Machine: "
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, one thread per process; wall times of a "
+        "shared 2-core VM vary by ±20 %. One seed per row: differences of a few points are within "
+        "seed-to-seed spread. A row beats its init when kNN gains ≥ 5 points.",
+        "",
+        "| recipe | method | kNN top-1 | random kNN | gain | probe top-1 | random probe | min | img/s | "
+        "peak MiB | config | git |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for recipe in recipes:
         r = rows.get(recipe)
         if r is None:
             lines.append(f"| {recipe} | not measured yet | | | | | | | | | | |")
             continue
         gain = r["knn_top1"] - r["random_knn_top1"]
-        lines.append(f"| {recipe} | {r['method']} | {r['knn_top1']:.1f} | {r['random_knn_top1']:.1f} | "
-                     f"{gain:+.1f}{'' if gain >= 5 else ' (does not learn)'} | {r['linear_top1']:.1f} | "
-                     f"{r['random_linear_top1']:.1f} | {r['seconds'] / 60:.1f} | {r['images_per_s']:.0f} | "
-                     f"{r['peak_mib']:.0f} | `{r['config_hash']}` | `{r['git_sha']}` |")
+        lines.append(
+            f"| {recipe} | {r['method']} | {r['knn_top1']:.1f} | {r['random_knn_top1']:.1f} | "
+            f"{gain:+.1f}{'' if gain >= 5 else ' (does not learn)'} | {r['linear_top1']:.1f} | "
+            f"{r['random_linear_top1']:.1f} | {r['seconds'] / 60:.1f} | {r['images_per_s']:.0f} | "
+            f"{r['peak_mib']:.0f} | `{r['config_hash']}` | `{r['git_sha']}` |"
+        )
     png = out.with_suffix(".png")
     lines += ["", f"![kNN top-1 per recipe]({png.name})", ""]
     out.write_text("\n".join(lines))
@@ -183,8 +261,11 @@ def _chart(rows: dict[str, dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.learning", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.learning",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--recipes", default=None, help="comma-separated tiny recipes (default: all)")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--data", default="datasets/synthetic", help="synthetic data root (generated if missing)")
@@ -194,8 +275,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     data, work, out = Path(args.data).resolve(), Path(args.work).resolve() / f"{args.epochs}ep", Path(args.out)
     if not (data / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "transfer.datasets.synthetic", "--out", str(data), "--preset",
-                        "small"], cwd=ROOT, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "transfer.datasets.synthetic", "--out", str(data), "--preset", "small"],
+            cwd=ROOT,
+            check=True,
+        )
     every = tiny_recipes()
     chosen = args.recipes.split(",") if args.recipes else every
     unknown = sorted(set(chosen) - set(every))
@@ -211,9 +295,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{recipe}: pretraining {args.epochs} epochs ...", flush=True)
         row = measure(recipe, args.epochs, data, work, args.fresh)
         row_file.write_text(json.dumps(row, indent=1))
-        print(f"{recipe}: kNN {row['knn_top1']:.1f} (random {row['random_knn_top1']:.1f}), probe "
-              f"{row['linear_top1']:.1f} (random {row['random_linear_top1']:.1f}), {row['seconds'] / 60:.1f} min",
-              flush=True)
+        print(
+            f"{recipe}: kNN {row['knn_top1']:.1f} (random {row['random_knn_top1']:.1f}), probe "
+            f"{row['linear_top1']:.1f} (random {row['random_linear_top1']:.1f}), {row['seconds'] / 60:.1f} min",
+            flush=True,
+        )
         rows = {p.stem: json.loads(p.read_text()) for p in rows_dir.glob("*.json")}
         write_table(rows, every, out, args)
     rows = {p.stem: json.loads(p.read_text()) for p in rows_dir.glob("*.json")}

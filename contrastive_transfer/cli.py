@@ -21,8 +21,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["UserError", "command", "ensure_writable_dir", "OutputLock", "atomic_write",
-           "remove_stale_temporaries", "DEBUG_HELP"]
+__all__ = [
+    "UserError",
+    "command",
+    "ensure_writable_dir",
+    "OutputLock",
+    "atomic_write",
+    "remove_stale_temporaries",
+    "DEBUG_HELP",
+]
 
 DEBUG_HELP = "--debug (or CT_DEBUG=1) shows the traceback of an error instead of its one-line summary"
 _TMP_MARK = ".tmp"
@@ -37,8 +44,9 @@ def describe(error: BaseException) -> str:
     if isinstance(error, OSError) and not isinstance(error, UserError):
         where = f" {error.filename}" if error.filename else ""
         reason = error.strerror or str(error)
-        hint = {PermissionError: "fix its permissions or choose another path",
-                FileNotFoundError: "check the path"}.get(type(error), "check the path and the disk")
+        hint = {PermissionError: "fix its permissions or choose another path", FileNotFoundError: "check the path"}.get(
+            type(error), "check the path and the disk"
+        )
         return f"{reason}:{where}; {hint}" if where else f"{reason}; {hint}"
     return " ".join(str(error).split()) or type(error).__name__
 
@@ -71,8 +79,10 @@ def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
             pass
     except OSError as e:
-        raise UserError(f"{what} {path} is not a writable directory ({e.strerror or e}); "
-                        "choose another location or fix its permissions") from None
+        raise UserError(
+            f"{what} {path} is not a writable directory ({e.strerror or e}); "
+            "choose another location or fix its permissions"
+        ) from None
     return path
 
 
@@ -100,11 +110,14 @@ class OutputLock:
         except BlockingIOError:
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown holder"
             os.close(fd)
-            raise UserError(f"{self.what} {self.directory} is in use by another run ({holder}); wait for it "
-                            "to finish or choose another directory") from None
+            raise UserError(
+                f"{self.what} {self.directory} is in use by another run ({holder}); wait for it "
+                "to finish or choose another directory"
+            ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0
+        )
         self._fd = fd
         return self
 

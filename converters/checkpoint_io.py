@@ -123,27 +123,49 @@ def _sources(containers: tuple[str, ...], prefixes: tuple[str, ...]) -> tuple[tu
     return tuple((c, p) for c in containers for p in prefixes)
 
 
-LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
-    Layout("project", "this project's checkpoint_final.pth (backbone / momentum_backbone in torchvision names)",
-           query=(("backbone", ""),), key=(("momentum_backbone", ""),)),
-    Layout("project-training",
-           "this project's checkpoint_last.pth (method state: encoder_q./encoder./encoder_k. + backbone.)",
-           query=_sources(("method",), ("encoder_q.backbone.", "encoder.backbone.", "online.backbone.")),
-           key=_sources(("method",), ("encoder_k.backbone.", "momentum_encoder.backbone.", "target.backbone."))),
-    Layout("moco",
-           "official MoCo v1/v2/v3 and AdCo checkpoints (state_dict with module.encoder_q. / module.base_encoder.)",
-           query=_sources(("state_dict", ""), ("encoder_q.", "base_encoder.")),
-           key=_sources(("state_dict", ""), ("encoder_k.", "momentum_encoder."))),
-    Layout("vissl", "VISSL checkpoints (classy_state_dict.base_model.model.trunk with _feature_blocks.)",
-           query=_sources(("classy_state_dict.base_model.model.trunk", "classy_state_dict.base_model.model",
-                           "model", ""), ("_feature_blocks.", "trunk._feature_blocks."))),
-    Layout("backbone", "backbone.-prefixed state dicts (solo-learn, lightly, DINO student/teacher)",
-           query=_sources(("state_dict", "model", "student", ""), ("backbone.",)),
-           key=_sources(("state_dict", "model", ""), ("momentum_backbone.", "backbone_momentum."))
-           + (("teacher", "backbone."),)),
-    Layout("torchvision", "a torchvision ResNet state dict (fc.* dropped)",
-           query=_sources(("state_dict", "model", ""), ("",))),
-)}
+LAYOUTS: dict[str, Layout] = {
+    layout.name: layout
+    for layout in (
+        Layout(
+            "project",
+            "this project's checkpoint_final.pth (backbone / momentum_backbone in torchvision names)",
+            query=(("backbone", ""),),
+            key=(("momentum_backbone", ""),),
+        ),
+        Layout(
+            "project-training",
+            "this project's checkpoint_last.pth (method state: encoder_q./encoder./encoder_k. + backbone.)",
+            query=_sources(("method",), ("encoder_q.backbone.", "encoder.backbone.", "online.backbone.")),
+            key=_sources(("method",), ("encoder_k.backbone.", "momentum_encoder.backbone.", "target.backbone.")),
+        ),
+        Layout(
+            "moco",
+            "official MoCo v1/v2/v3 and AdCo checkpoints (state_dict with module.encoder_q. / module.base_encoder.)",
+            query=_sources(("state_dict", ""), ("encoder_q.", "base_encoder.")),
+            key=_sources(("state_dict", ""), ("encoder_k.", "momentum_encoder.")),
+        ),
+        Layout(
+            "vissl",
+            "VISSL checkpoints (classy_state_dict.base_model.model.trunk with _feature_blocks.)",
+            query=_sources(
+                ("classy_state_dict.base_model.model.trunk", "classy_state_dict.base_model.model", "model", ""),
+                ("_feature_blocks.", "trunk._feature_blocks."),
+            ),
+        ),
+        Layout(
+            "backbone",
+            "backbone.-prefixed state dicts (solo-learn, lightly, DINO student/teacher)",
+            query=_sources(("state_dict", "model", "student", ""), ("backbone.",)),
+            key=_sources(("state_dict", "model", ""), ("momentum_backbone.", "backbone_momentum."))
+            + (("teacher", "backbone."),),
+        ),
+        Layout(
+            "torchvision",
+            "a torchvision ResNet state dict (fc.* dropped)",
+            query=_sources(("state_dict", "model", ""), ("",)),
+        ),
+    )
+}
 ENCODERS = ("query", "key")
 
 # A torchvision ResNet flattened into nn.Sequential(*list(resnet.children())[:-1]) (lightly's
@@ -196,7 +218,7 @@ def _find(ckpt, sources) -> tuple[dict[str, torch.Tensor], list[str], str, str] 
         tensors = _container(ckpt, path)
         if tensors is None:
             continue
-        sub = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        sub = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         named = _torchvision_names(sub)
         if named is not None:
             others = [k for k in tensors if not k.startswith(prefix)]
@@ -232,8 +254,14 @@ def _describe(ckpt) -> str:
     if not isinstance(ckpt, Mapping):
         return f"the file holds a {type(ckpt).__name__}, not a dict"
     top = [str(k) for k in list(ckpt)[:8]]
-    hints = sorted({k for path in ("", "state_dict", "model", "method") for k in (_container(ckpt, path) or {})
-                    if k.endswith("conv1.weight")})[:4]
+    hints = sorted(
+        {
+            k
+            for path in ("", "state_dict", "model", "method")
+            for k in (_container(ckpt, path) or {})
+            if k.endswith("conv1.weight")
+        }
+    )[:4]
     return f"top-level keys {top}" + (f", conv1 weights at {hints}" if hints else "")
 
 
@@ -256,13 +284,19 @@ def _detect_arch(sd: dict[str, torch.Tensor], source: str) -> str:
         bottleneck = any(re.match(r"layer[1-4]\.\d+\.conv3\.weight$", k) for k in sd)
     # Basic blocks have no bottleneck width; a wrong width there is reported as a shape error.
     width = first.shape[0] if bottleneck and first is not None and first.dim() == 4 else 64
-    fits = [name for name, spec in ARCHS.items()
-            if spec.bottleneck == bottleneck and spec.width_per_group == width
-            and all(c <= b for c, b in zip(counts, spec.blocks))]
+    fits = [
+        name
+        for name, spec in ARCHS.items()
+        if spec.bottleneck == bottleneck
+        and spec.width_per_group == width
+        and all(c <= b for c, b in zip(counts, spec.blocks))
+    ]
     if not fits:
         kind = "bottleneck" if bottleneck else "basic"
-        raise CheckpointError(f"{source}: {kind} blocks per stage {tuple(counts)} with stage-1 width {width} "
-                              f"fit no supported ResNet ({', '.join(ARCHS)})")
+        raise CheckpointError(
+            f"{source}: {kind} blocks per stage {tuple(counts)} with stage-1 width {width} "
+            f"fit no supported ResNet ({', '.join(ARCHS)})"
+        )
     return min(fits, key=lambda name: sum(ARCHS[name].blocks))
 
 
@@ -274,18 +308,22 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
             out[k] = torch.tensor(0)  # older/VISSL-converted files omit it; it has no effect in eval
         elif k in sd:
             if tuple(sd[k].shape) != shape:
-                raise CheckpointError(f"{source}: {k} has shape {tuple(sd[k].shape)}, expected {shape} "
-                                      f"for {arch} ({stem} stem)")
+                raise CheckpointError(
+                    f"{source}: {k} has shape {tuple(sd[k].shape)}, expected {shape} for {arch} ({stem} stem)"
+                )
             v = sd[k].detach().cpu()
             out[k] = v.float() if v.is_floating_point() else v
     missing = [k for k in expected if k not in out]
     if missing:
-        raise CheckpointError(f"{source}: {len(missing)} {arch} backbone tensors missing, e.g. "
-                              f"{', '.join(missing[:4])}")
+        raise CheckpointError(
+            f"{source}: {len(missing)} {arch} backbone tensors missing, e.g. {', '.join(missing[:4])}"
+        )
     unexpected = [k for k in sd if _BACKBONE_KEY.match(k) and k not in expected]
     if unexpected:
-        raise CheckpointError(f"{source}: tensors {', '.join(unexpected[:4])} do not belong to {arch} "
-                              f"({len(unexpected)} unexpected backbone tensors)")
+        raise CheckpointError(
+            f"{source}: tensors {', '.join(unexpected[:4])} do not belong to {arch} "
+            f"({len(unexpected)} unexpected backbone tensors)"
+        )
     return out
 
 
@@ -293,8 +331,10 @@ def _detect_stem(sd: dict[str, torch.Tensor], source: str) -> str:
     shape = tuple(sd["conv1.weight"].shape)
     stem = STEMS.get(shape[2:]) if len(shape) == 4 and shape[:2] == (64, 3) else None
     if stem is None:
-        raise CheckpointError(f"{source}: conv1.weight has shape {shape}, expected (64, 3, 7, 7) "
-                              "(imagenet stem) or (64, 3, 3, 3) (small stem)")
+        raise CheckpointError(
+            f"{source}: conv1.weight has shape {shape}, expected (64, 3, 7, 7) "
+            "(imagenet stem) or (64, 3, 3, 3) (small stem)"
+        )
     return stem
 
 
@@ -319,14 +359,16 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
 
     found = next((candidate for candidate in candidates if _find(ckpt, candidate.query) is not None), None)
     if found is None:
-        which = ("no ResNet backbone found" if layout == "auto"
-                 else f"not in the {layout!r} layout ({LAYOUTS[layout].description})")
+        which = (
+            "no ResNet backbone found"
+            if layout == "auto"
+            else f"not in the {layout!r} layout ({LAYOUTS[layout].description})"
+        )
         raise CheckpointError(f"{source}: {which}; {_describe(ckpt)}")
 
     hit = _find(ckpt, found.query if encoder == "query" else found.key)
     if hit is None:
-        raise CheckpointError(f"{source}: no momentum encoder in this {found.name!r} checkpoint "
-                              "(use --encoder query)")
+        raise CheckpointError(f"{source}: no momentum encoder in this {found.name!r} checkpoint (use --encoder query)")
     tensors, others, container, _ = hit
     other = _find(ckpt, found.key if encoder == "query" else found.query)
     other_prefix = other[3] if other is not None and other[2] == container else None
@@ -338,8 +380,10 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
     state_dict = _validate(backbone_tensors, arch, stem, source)
     # The other encoder's backbone is not "dropped": it is the --encoder choice not taken.
     dropped = [k for k in tensors if k not in backbone_tensors] + [
-        k for k in others if other_prefix is None or not k.startswith(other_prefix)
-        or not _is_backbone_tensor(k[len(other_prefix):])]
+        k
+        for k in others
+        if other_prefix is None or not k.startswith(other_prefix) or not _is_backbone_tensor(k[len(other_prefix) :])
+    ]
     return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder, _pretraining_image_size(ckpt))
 
 
@@ -375,15 +419,29 @@ def add_arguments(parser: argparse.ArgumentParser, output_help: str) -> None:
     """The command-line arguments every converter shares."""
     parser.add_argument("input", help="checkpoint of any supported layout")
     parser.add_argument("output", help=output_help)
-    parser.add_argument("--encoder", choices=ENCODERS, default="query",
-                        help="query = the online encoder (default); key = the momentum (key/teacher) encoder")
-    parser.add_argument("--layout", choices=["auto", *LAYOUTS], default="auto",
-                        help="force a layout instead of detecting it: "
-                             + "; ".join(f"{name} = {lay.description}" for name, lay in LAYOUTS.items()))
+    parser.add_argument(
+        "--encoder",
+        choices=ENCODERS,
+        default="query",
+        help="query = the online encoder (default); key = the momentum (key/teacher) encoder",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=["auto", *LAYOUTS],
+        default="auto",
+        help="force a layout instead of detecting it: "
+        + "; ".join(f"{name} = {lay.description}" for name, lay in LAYOUTS.items()),
+    )
 
 
-def run_converter(argv: list[str] | None, prog: str, description: str, output_help: str,
-                  convert: Callable[..., dict], report: Callable[[dict], None]) -> int:
+def run_converter(
+    argv: list[str] | None,
+    prog: str,
+    description: str,
+    output_help: str,
+    convert: Callable[..., dict],
+    report: Callable[[dict], None],
+) -> int:
     """The whole command line of a converter: parse, ``convert(input, output, encoder, layout)``,
     ``report(summary)``; 0, or 1 after one ``error: ...`` line on stderr for a bad input or an
     unusable path (``--debug`` shows the traceback instead)."""
@@ -403,9 +461,13 @@ def run_converter(argv: list[str] | None, prog: str, description: str, output_he
 
 
 def summary_lines(backbone: Backbone) -> list[str]:
-    dropped = (f"dropped {len(backbone.dropped)} non-backbone tensors"
-               + (f" ({', '.join(backbone.dropped[:4])}{', ...' if len(backbone.dropped) > 4 else ''})"
-                  if backbone.dropped else ""))
-    return [f"read {backbone.source}: layout {backbone.layout}, {backbone.encoder} encoder, {backbone.arch} "
-            f"(depth {backbone.depth}, {backbone.stem} stem), {len(backbone.state_dict)} tensors",
-            dropped]
+    dropped = f"dropped {len(backbone.dropped)} non-backbone tensors" + (
+        f" ({', '.join(backbone.dropped[:4])}{', ...' if len(backbone.dropped) > 4 else ''})"
+        if backbone.dropped
+        else ""
+    )
+    return [
+        f"read {backbone.source}: layout {backbone.layout}, {backbone.encoder} encoder, {backbone.arch} "
+        f"(depth {backbone.depth}, {backbone.stem} stem), {len(backbone.state_dict)} tensors",
+        dropped,
+    ]

@@ -28,8 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
-from converters.checkpoint_io import (Backbone, CheckpointError, run_converter, atomic_write, load_backbone,
-                                      summary_lines)
+from converters.checkpoint_io import (
+    Backbone,
+    CheckpointError,
+    atomic_write,
+    load_backbone,
+    run_converter,
+    summary_lines,
+)
 
 AUTHOR = "contrastive-transfer"
 
@@ -38,9 +44,17 @@ TORCHVISION_PIXEL_MEAN = [123.675, 116.28, 103.53]
 TORCHVISION_PIXEL_STD = [58.395, 57.12, 57.375]
 
 # Substring replacements, applied in this order (detectron2's tools/convert-torchvision-to-d2.py).
-_RENAMES = (("layer1", "res2"), ("layer2", "res3"), ("layer3", "res4"), ("layer4", "res5"),
-            ("bn1", "conv1.norm"), ("bn2", "conv2.norm"), ("bn3", "conv3.norm"),
-            ("downsample.0", "shortcut"), ("downsample.1", "shortcut.norm"))
+_RENAMES = (
+    ("layer1", "res2"),
+    ("layer2", "res3"),
+    ("layer3", "res4"),
+    ("layer4", "res5"),
+    ("bn1", "conv1.norm"),
+    ("bn2", "conv2.norm"),
+    ("bn3", "conv3.norm"),
+    ("downsample.0", "shortcut"),
+    ("downsample.1", "shortcut.norm"),
+)
 
 
 def detectron2_name(torchvision_name: str) -> str:
@@ -69,23 +83,28 @@ def detectron2_config(backbone: Backbone) -> dict[str, object]:
 def to_detectron2(backbone: Backbone) -> dict[str, np.ndarray]:
     """The backbone's tensors under detectron2 names, as numpy arrays (what detectron2's .pkl holds)."""
     if backbone.stem != "imagenet":
-        raise CheckpointError(f"{backbone.source}: {backbone.arch} has the small 3x3/1 stem (conv1.weight "
-                              f"{tuple(backbone.state_dict['conv1.weight'].shape)}); detectron2's ResNet stem "
-                              "is 7x7/2 + max-pool, so it cannot be converted (use converters.to_torchvision or "
-                              "the frozen-feature evaluators)")
+        raise CheckpointError(
+            f"{backbone.source}: {backbone.arch} has the small 3x3/1 stem (conv1.weight "
+            f"{tuple(backbone.state_dict['conv1.weight'].shape)}); detectron2's ResNet stem "
+            "is 7x7/2 + max-pool, so it cannot be converted (use converters.to_torchvision or "
+            "the frozen-feature evaluators)"
+        )
     model = {detectron2_name(k): v.numpy() for k, v in backbone.state_dict.items()}
     if len(model) != len(backbone.state_dict):  # cannot happen for torchvision names; guards the rules
         raise CheckpointError(f"{backbone.source}: detectron2 renaming collapsed tensors")
     return model
 
 
-def convert(in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query",
-            layout: str = "auto") -> dict:
+def convert(
+    in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query", layout: str = "auto"
+) -> dict:
     """Write the detectron2 pickle atomically; returns a summary (also what the CLI prints)."""
     out_path = Path(out_path)
     if out_path.suffix != ".pkl":
-        raise CheckpointError(f"{out_path}: the detectron2 weights must be named .pkl (detectron2 reads .pkl "
-                              "with pickle and anything else with torch.load)")
+        raise CheckpointError(
+            f"{out_path}: the detectron2 weights must be named .pkl (detectron2 reads .pkl "
+            "with pickle and anything else with torch.load)"
+        )
     if out_path.exists() and Path(in_path).exists() and out_path.samefile(in_path):
         raise CheckpointError(f"{out_path}: the output would overwrite the input")
     backbone = load_backbone(in_path, encoder, layout)
@@ -97,10 +116,19 @@ def convert(in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: st
             pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
 
     atomic_write(out_path, write)
-    return {"input": str(in_path), "output": str(out_path), "layout": backbone.layout, "encoder": encoder,
-            "arch": backbone.arch, "depth": backbone.depth, "stem": backbone.stem, "tensors": len(model),
-            "dropped": backbone.dropped, "detectron2_config": detectron2_config(backbone),
-            "lines": summary_lines(backbone)}
+    return {
+        "input": str(in_path),
+        "output": str(out_path),
+        "layout": backbone.layout,
+        "encoder": encoder,
+        "arch": backbone.arch,
+        "depth": backbone.depth,
+        "stem": backbone.stem,
+        "tensors": len(model),
+        "dropped": backbone.dropped,
+        "detectron2_config": detectron2_config(backbone),
+        "lines": summary_lines(backbone),
+    }
 
 
 def _format_value(value: object) -> str:
@@ -110,14 +138,22 @@ def _format_value(value: object) -> str:
 def _report(summary: dict) -> None:
     print(*summary["lines"], sep="\n")
     print(f"wrote {summary['tensors']} detectron2 tensors to {summary['output']} ({summary['arch']})")
-    print("set in the detectron2 config: " + ", ".join(
-        f"{k}: {_format_value(v)}" for k, v in summary["detectron2_config"].items())
-          + f", MODEL.WEIGHTS: {summary['output']}")
+    print(
+        "set in the detectron2 config: "
+        + ", ".join(f"{k}: {_format_value(v)}" for k, v in summary["detectron2_config"].items())
+        + f", MODEL.WEIGHTS: {summary['output']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_converter(argv, "python -m converters.to_detectron2", __doc__.split("\n")[0],
-                         "detectron2 weights to write (.pkl)", convert, _report)
+    return run_converter(
+        argv,
+        "python -m converters.to_detectron2",
+        __doc__.split("\n")[0],
+        "detectron2 weights to write (.pkl)",
+        convert,
+        _report,
+    )
 
 
 if __name__ == "__main__":

@@ -15,34 +15,54 @@ from pathlib import Path
 
 import torch
 
-from converters.checkpoint_io import CheckpointError, run_converter, atomic_write, load_backbone, summary_lines
+from converters.checkpoint_io import CheckpointError, atomic_write, load_backbone, run_converter, summary_lines
 
 
-def convert(in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query",
-            layout: str = "auto") -> dict:
+def convert(
+    in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query", layout: str = "auto"
+) -> dict:
     out_path = Path(out_path)
     if out_path.suffix == ".pkl":
-        raise CheckpointError(f"{out_path}: a torch.save file must not be named .pkl (detectron2 would read it "
-                              "with pickle); use .pth, or converters.to_detectron2 for a detectron2 pickle")
+        raise CheckpointError(
+            f"{out_path}: a torch.save file must not be named .pkl (detectron2 would read it "
+            "with pickle); use .pth, or converters.to_detectron2 for a detectron2 pickle"
+        )
     if out_path.exists() and Path(in_path).exists() and out_path.samefile(in_path):
         raise CheckpointError(f"{out_path}: the output would overwrite the input")
     backbone = load_backbone(in_path, encoder, layout)
     atomic_write(out_path, lambda tmp: torch.save(backbone.state_dict, tmp))
-    return {"input": str(in_path), "output": str(out_path), "layout": backbone.layout, "encoder": encoder,
-            "arch": backbone.arch, "depth": backbone.depth, "stem": backbone.stem,
-            "tensors": len(backbone.state_dict), "dropped": backbone.dropped, "lines": summary_lines(backbone)}
+    return {
+        "input": str(in_path),
+        "output": str(out_path),
+        "layout": backbone.layout,
+        "encoder": encoder,
+        "arch": backbone.arch,
+        "depth": backbone.depth,
+        "stem": backbone.stem,
+        "tensors": len(backbone.state_dict),
+        "dropped": backbone.dropped,
+        "lines": summary_lines(backbone),
+    }
 
 
 def _report(summary: dict) -> None:
     print(*summary["lines"], sep="\n")
     stem_note = "" if summary["stem"] == "imagenet" else "; small stem: rebuild conv1 as 3x3/1 and drop the max-pool"
-    print(f"wrote {summary['tensors']} tensors to {summary['output']}: torchvision.models.{summary['arch']}() "
-          f"loads them with strict=False (fc.* missing){stem_note}")
+    print(
+        f"wrote {summary['tensors']} tensors to {summary['output']}: torchvision.models.{summary['arch']}() "
+        f"loads them with strict=False (fc.* missing){stem_note}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_converter(argv, "python -m converters.to_torchvision", __doc__.split("\n")[0],
-                         "torchvision state dict to write (.pth)", convert, _report)
+    return run_converter(
+        argv,
+        "python -m converters.to_torchvision",
+        __doc__.split("\n")[0],
+        "torchvision state dict to write (.pth)",
+        convert,
+        _report,
+    )
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ def check_launch() -> None:
     on one process with N times the per-process batch."""
     cpu_launcher = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
     if cpu_launcher and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
-        raise UserError("`accelerate launch --cpu --num_processes N` starts ONE process (Accelerate's CPU launcher "
-                        "ignores the count); for N CPU processes use `torchrun --nproc_per_node N -m pretrain ...` "
-                        "or `accelerate launch --multi_gpu --num_processes N -m pretrain ...` (gloo without GPUs)")
+        raise UserError(
+            "`accelerate launch --cpu --num_processes N` starts ONE process (Accelerate's CPU launcher "
+            "ignores the count); for N CPU processes use `torchrun --nproc_per_node N -m pretrain ...` "
+            "or `accelerate launch --multi_gpu --num_processes N -m pretrain ...` (gloo without GPUs)"
+        )
 
 
 def resolve_mixed_precision(cfg) -> tuple[str, str | None]:
@@ -43,8 +45,10 @@ def resolve_mixed_precision(cfg) -> tuple[str, str | None]:
     if chosen is None:
         return launcher or "no", None
     if launcher is not None and launcher != chosen:
-        return chosen, (f"note: train.mixed_precision={chosen} overrides the launcher's --mixed_precision "
-                        f"{launcher}; set train.mixed_precision=null to use the launcher's")
+        return chosen, (
+            f"note: train.mixed_precision={chosen} overrides the launcher's --mixed_precision "
+            f"{launcher}; set train.mixed_precision=null to use the launcher's"
+        )
     return chosen, None
 
 
@@ -57,22 +61,31 @@ def trackers(cfg) -> list[str] | None:
 
     available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "mlflow": is_mlflow_available}
     if not available[name]():
-        raise UserError(f"train.log_with={name}: the {name} package is not installed; `pip install {name}` "
-                        "or choose tensorboard or none")
+        raise UserError(
+            f"train.log_with={name}: the {name} package is not installed; `pip install {name}` "
+            "or choose tensorboard or none"
+        )
     return [name]
 
 
 def parser() -> argparse.ArgumentParser:
     from pathlib import Path
 
-    recipes = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "pretrain").glob("*.yaml")
-                     if not p.stem.startswith("_"))
+    recipes = sorted(
+        p.stem
+        for p in (Path(__file__).resolve().parents[1] / "configs" / "pretrain").glob("*.yaml")
+        if not p.stem.startswith("_")
+    )
     return argparse.ArgumentParser(
-        prog="python -m pretrain", description=__doc__.split("\n\n")[0],
+        prog="python -m pretrain",
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(f"recipes (configs/pretrain/): {', '.join(recipes)}\n"
-                "keys and their defaults: pretrain/config.py (engine) and each method's `defaults` in "
-                "pretrain/methods/; docs/methods.md explains them.\n" + DEBUG_HELP))
+        epilog=(
+            f"recipes (configs/pretrain/): {', '.join(recipes)}\n"
+            "keys and their defaults: pretrain/config.py (engine) and each method's `defaults` in "
+            "pretrain/methods/; docs/methods.md explains them.\n" + DEBUG_HELP
+        ),
+    )
 
 
 @command
@@ -80,8 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     p.add_argument("--config", required=True, help="recipe YAML, e.g. configs/pretrain/mocov2.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.batch_size=64")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the fully resolved config (YAML, loadable as a recipe) and exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the fully resolved config (YAML, loadable as a recipe) and exit",
+    )
     args = p.parse_args(argv)
     if args.print_config:
         from omegaconf import OmegaConf
@@ -93,9 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, args.overrides, num_processes)
     precision, note = resolve_mixed_precision(cfg)
 
-    from accelerate import Accelerator
     from datetime import timedelta
 
+    from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     from pretrain.engine import train
@@ -107,12 +123,16 @@ def main(argv: list[str] | None = None) -> None:
         project_dir=cfg.train.output_dir,
         # Buffers (queues, BN statistics) are never re-broadcast from rank 0: queues are kept
         # identical by gathered enqueues, and per-process BN statistics are part of shuffle BN.
-        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
-                         InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.train.dist_timeout_minutes))],
+        kwargs_handlers=[
+            DistributedDataParallelKwargs(broadcast_buffers=False),
+            InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.train.dist_timeout_minutes)),
+        ],
     )
     if accelerator.num_processes != num_processes:
-        raise UserError(f"WORLD_SIZE={num_processes} but Accelerate runs {accelerator.num_processes} processes; "
-                        "launch with torchrun or accelerate launch")
+        raise UserError(
+            f"WORLD_SIZE={num_processes} but Accelerate runs {accelerator.num_processes} processes; "
+            "launch with torchrun or accelerate launch"
+        )
     if note:
         accelerator.print(note)
     cfg.train.mixed_precision = precision  # what runs, in config.yaml and the checkpoints

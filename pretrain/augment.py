@@ -37,8 +37,18 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-__all__ = ["adjust_brightness", "adjust_contrast", "adjust_saturation", "adjust_hue", "gaussian_blur",
-           "ColorJitterStage", "GrayscaleStage", "GaussianBlurStage", "SolarizeStage", "ViewTransform"]
+__all__ = [
+    "adjust_brightness",
+    "adjust_contrast",
+    "adjust_saturation",
+    "adjust_hue",
+    "gaussian_blur",
+    "ColorJitterStage",
+    "GrayscaleStage",
+    "GaussianBlurStage",
+    "SolarizeStage",
+    "ViewTransform",
+]
 
 # torchvision's adjust_* / gaussian_blur take one float parameter per call (their range checks
 # reject a per-sample tensor), hence these batched versions; each takes x: B×3×H×W float in [0, 1]
@@ -127,15 +137,22 @@ def _where(mask: torch.Tensor, x: torch.Tensor, op, *params: torch.Tensor) -> to
 # Each stage turns per-sample uniforms u (B × n_uniforms, in [0, 1)) into named per-sample
 # parameters (params) and applies them to a batch (apply). Tests drive apply with given parameters.
 
+
 class ColorJitterStage:
     """torchvision ColorJitter applied with probability p; its four ops in a random order per sample."""
 
     def __init__(self, jitter: v2.ColorJitter, p: float = 1.0):
         self.p = float(p)
         # (name, range, op) in torchvision's fn_idx order; a component set to 0 is None (skipped).
-        self.components = [(name, getattr(jitter, name), op) for name, op in
-                           (("brightness", adjust_brightness), ("contrast", adjust_contrast),
-                            ("saturation", adjust_saturation), ("hue", adjust_hue))]
+        self.components = [
+            (name, getattr(jitter, name), op)
+            for name, op in (
+                ("brightness", adjust_brightness),
+                ("contrast", adjust_contrast),
+                ("saturation", adjust_saturation),
+                ("hue", adjust_hue),
+            )
+        ]
         self.n_uniforms = 1 + 4 + 4  # applied?, four factors, four sort keys for the order
         self.enabled = tuple(bounds is not None for _, bounds, _ in self.components)
 
@@ -151,8 +168,13 @@ class ColorJitterStage:
         if x.device.type == "cpu":  # one fused pass per op and image (pretrain/jitter_cpu.py)
             from pretrain.jitter_cpu import color_jitter_
 
-            factors = torch.stack([params[name] if on else torch.zeros(len(x))
-                                   for (name, _, _), on in zip(self.components, self.enabled)], dim=1)
+            factors = torch.stack(
+                [
+                    params[name] if on else torch.zeros(len(x))
+                    for (name, _, _), on in zip(self.components, self.enabled)
+                ],
+                dim=1,
+            )
             return color_jitter_(x.contiguous(), params["apply"], params["order"], factors, self.enabled)
         return self.apply_per_op(x, params)
 
@@ -210,12 +232,23 @@ class SolarizeStage:
 
 
 # Which batched stage runs each torchvision op (RandomApply([op], p) is unwrapped into op, p).
-PHOTOMETRIC_STAGES = {v2.ColorJitter: ColorJitterStage, v2.RandomGrayscale: GrayscaleStage,
-                      v2.GaussianBlur: GaussianBlurStage, v2.RandomSolarize: SolarizeStage}
+PHOTOMETRIC_STAGES = {
+    v2.ColorJitter: ColorJitterStage,
+    v2.RandomGrayscale: GrayscaleStage,
+    v2.GaussianBlur: GaussianBlurStage,
+    v2.RandomSolarize: SolarizeStage,
+}
 # Per-sample ops on the uint8 image (stage 1). They run before the colour ops wherever they are
 # listed: flips commute with every colour op; for the others this is the declared semantics.
-GEOMETRIC = (v2.RandomResizedCrop, v2.RandomHorizontalFlip, v2.RandomVerticalFlip, v2.RandomRotation,
-             v2.RandomAffine, v2.RandomPerspective, v2.RandomEqualize)
+GEOMETRIC = (
+    v2.RandomResizedCrop,
+    v2.RandomHorizontalFlip,
+    v2.RandomVerticalFlip,
+    v2.RandomRotation,
+    v2.RandomAffine,
+    v2.RandomPerspective,
+    v2.RandomEqualize,
+)
 
 
 class ViewTransform:
@@ -245,9 +278,11 @@ class ViewTransform:
                 self.stages.append(stage)
                 self.slices.append(slice(start, start + stage.n_uniforms))
             else:
-                raise ValueError(f"ViewTransform: unsupported op {op!r}; expected one of "
-                                 f"{', '.join(t.__name__ for t in (*GEOMETRIC, *PHOTOMETRIC_STAGES))}"
-                                 f" (optionally in RandomApply)")
+                raise ValueError(
+                    f"ViewTransform: unsupported op {op!r}; expected one of "
+                    f"{', '.join(t.__name__ for t in (*GEOMETRIC, *PHOTOMETRIC_STAGES))}"
+                    f" (optionally in RandomApply)"
+                )
         self.n_uniforms = self.slices[-1].stop if self.slices else 0
 
     def sample(self, image: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,9 +61,18 @@ def _engine_seconds(recipe: str, overrides: list[str], warmup: int, steps: int) 
     accelerator, totals, data_time = None, {}, 0.0
     for n in (warmup, warmup + steps):
         with tempfile.TemporaryDirectory() as out:
-            cfg = load_config(RECIPES_DIR / f"{recipe}.yaml",
-                              [*overrides, f"train.output_dir={out}", f"train.max_steps={n}", "train.log_every=1",
-                               "train.checkpoint_every=1000000", "train.resume=none", "knn.train_dir=null"])
+            cfg = load_config(
+                RECIPES_DIR / f"{recipe}.yaml",
+                [
+                    *overrides,
+                    f"train.output_dir={out}",
+                    f"train.max_steps={n}",
+                    "train.log_every=1",
+                    "train.checkpoint_every=1000000",
+                    "train.resume=none",
+                    "knn.train_dir=null",
+                ],
+            )
             accelerator = accelerator or Accelerator(cpu=cfg.train.cpu, mixed_precision=cfg.train.mixed_precision)
             t0 = time.perf_counter()
             train(cfg, accelerator)
@@ -111,13 +120,29 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     backbone_only = _median_time(backbone_step, warmup, steps)
     engine = _engine_seconds(recipe, overrides, warmup, steps)
     images = cfg.train.batch_size
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return {"recipe": recipe, "method": cfg.method.name, "arch": cfg.model.arch, "image_size": cfg.data.image_size,
-            "batch": images, "views": len(views), "device": device.type, "channels_last": speed.channels_last,
-            "compiled": speed.compiled, "engine_s": engine, "bare_s": bare,
-            "backbone_s": backbone_only, "images_per_s": images / engine, "peak_mib": peak,
-            "engine_over_bare": engine / bare, "bare_over_backbone": bare / backbone_only}
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
+    return {
+        "recipe": recipe,
+        "method": cfg.method.name,
+        "arch": cfg.model.arch,
+        "image_size": cfg.data.image_size,
+        "batch": images,
+        "views": len(views),
+        "device": device.type,
+        "channels_last": speed.channels_last,
+        "compiled": speed.compiled,
+        "engine_s": engine,
+        "bare_s": bare,
+        "backbone_s": backbone_only,
+        "images_per_s": images / engine,
+        "peak_mib": peak,
+        "engine_over_bare": engine / bare,
+        "bare_over_backbone": bare / backbone_only,
+    }
 
 
 # ------------------------------------------------------------------------------- augmentations
@@ -131,19 +156,37 @@ def _pil_pipelines(recipe: str, size: int) -> list:
     blur = T.GaussianBlur(blur_kernel_size(size), sigma=SIGMA)
     tail = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     if recipe == "byol":
-        byol = [T.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=T.InterpolationMode.BICUBIC),
-                T.RandomHorizontalFlip(), T.RandomApply([T.ColorJitter(0.4, 0.4, 0.2, 0.1)], 0.8),
-                T.RandomGrayscale(0.2)]
-        return [T.Compose([*byol, T.RandomApply([blur], 1.0), *tail]),
-                T.Compose([*byol, T.RandomApply([blur], 0.1), T.RandomSolarize(128, 0.2), *tail])]
+        byol = [
+            T.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+            T.RandomHorizontalFlip(),
+            T.RandomApply([T.ColorJitter(0.4, 0.4, 0.2, 0.1)], 0.8),
+            T.RandomGrayscale(0.2),
+        ]
+        return [
+            T.Compose([*byol, T.RandomApply([blur], 1.0), *tail]),
+            T.Compose([*byol, T.RandomApply([blur], 0.1), T.RandomSolarize(128, 0.2), *tail]),
+        ]
     ops = {
-        "mocov1": [T.RandomResizedCrop(size, scale=(0.2, 1.0)), T.RandomGrayscale(0.2),
-                   T.ColorJitter(0.4, 0.4, 0.4, 0.4), T.RandomHorizontalFlip()],
-        "mocov2": [T.RandomResizedCrop(size, scale=(0.2, 1.0)), T.RandomApply([T.ColorJitter(0.4, 0.4, 0.4, 0.1)], 0.8),
-                   T.RandomGrayscale(0.2), T.RandomApply([blur], 0.5), T.RandomHorizontalFlip()],
-        "simclr": [T.RandomResizedCrop(size, scale=(0.08, 1.0)), T.RandomHorizontalFlip(),
-                   T.RandomApply([T.ColorJitter(0.8, 0.8, 0.8, 0.2)], 0.8), T.RandomGrayscale(0.2),
-                   T.RandomApply([blur], 0.5)],
+        "mocov1": [
+            T.RandomResizedCrop(size, scale=(0.2, 1.0)),
+            T.RandomGrayscale(0.2),
+            T.ColorJitter(0.4, 0.4, 0.4, 0.4),
+            T.RandomHorizontalFlip(),
+        ],
+        "mocov2": [
+            T.RandomResizedCrop(size, scale=(0.2, 1.0)),
+            T.RandomApply([T.ColorJitter(0.4, 0.4, 0.4, 0.1)], 0.8),
+            T.RandomGrayscale(0.2),
+            T.RandomApply([blur], 0.5),
+            T.RandomHorizontalFlip(),
+        ],
+        "simclr": [
+            T.RandomResizedCrop(size, scale=(0.08, 1.0)),
+            T.RandomHorizontalFlip(),
+            T.RandomApply([T.ColorJitter(0.8, 0.8, 0.8, 0.2)], 0.8),
+            T.RandomGrayscale(0.2),
+            T.RandomApply([blur], 0.5),
+        ],
     }[recipe]
     return [T.Compose([*ops, *tail])] * 2
 
@@ -177,16 +220,26 @@ def bench_augmentation(recipe: str, root: str, size: int, n_images: int) -> dict
 
     def sent_bytes(dataset) -> float:  # per image, all views, as the worker hands them to the main process
         views, _, _ = collate(dataset.__getitems__(list(range(AUG_BATCH))))
-        return sum(sum(t.numel() * t.element_size() for t in (v if isinstance(v, tuple) else (v,)))
-                   for v in views) / AUG_BATCH
+        return (
+            sum(sum(t.numel() * t.element_size() for t in (v if isinstance(v, tuple) else (v,))) for v in views)
+            / AUG_BATCH
+        )
 
     t_ours = _median_time(run_ours, 1, 3)
     t_plain = _median_time(run_plain, 1, 3)
     t_deferred = _median_time(run_deferred, 1, 3)
-    return {"augmentation": recipe, "image_size": size, "images": len(paths),
-            "ours_per_s": len(paths) / t_ours, "plain_per_s": len(paths) / t_plain, "speedup": t_plain / t_ours,
-            "worker_ms": 1e3 * t_ours / len(paths), "deferred_worker_ms": 1e3 * t_deferred / len(paths),
-            "bytes": sent_bytes(ours), "deferred_bytes": sent_bytes(deferred)}
+    return {
+        "augmentation": recipe,
+        "image_size": size,
+        "images": len(paths),
+        "ours_per_s": len(paths) / t_ours,
+        "plain_per_s": len(paths) / t_plain,
+        "speedup": t_plain / t_ours,
+        "worker_ms": 1e3 * t_ours / len(paths),
+        "deferred_worker_ms": 1e3 * t_deferred / len(paths),
+        "bytes": sent_bytes(ours),
+        "deferred_bytes": sent_bytes(deferred),
+    }
 
 
 # ------------------------------------------------------------------------------- report
@@ -195,9 +248,11 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
         "# Pretraining benchmark",
         "",
         f"`python -m pretrain.bench {' '.join(sys.argv[1:])}` on {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPU cores, torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}; "
+        f"{os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}; "
         f"median of {args.steps} steps after {args.warmup} warm-up steps"
-        + (f"; GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "; no GPU") + ".",
+        + (f"; GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "; no GPU")
+        + ".",
         "",
         "Engine = the real loop (`pretrain.engine.train`) minus its logged data time; bare = the method's "
         "forward/backward/step/after_step on an in-memory batch; backbone = the backbone's forward/backward "
@@ -208,24 +263,41 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['recipe']} | {r['method']} | {r['arch']} | {r['image_size']} | {r['batch']} | {r['views']} | "
-                     f"{r['device']} | {r['channels_last']} | {r['compiled']} | {1e3 * r['engine_s']:.1f} | {r['images_per_s']:.1f} | {1e3 * r['bare_s']:.1f} | "
-                     f"{r['engine_over_bare']:.3f} | {1e3 * r['backbone_s']:.1f} | {r['bare_over_backbone']:.2f} | "
-                     f"{r['peak_mib']:.0f} |")
-    lines += ["", "Two-view augmentation throughput (images/s, each image giving two views; decode included; "
-              f"ours fetched in batches of {AUG_BATCH} and collated). Goal: ours / plain PIL ≥ 1.5.", "",
-              "| augmentation | px | images | ours img/s | plain PIL img/s | speedup |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['recipe']} | {r['method']} | {r['arch']} | {r['image_size']} | {r['batch']} | {r['views']} | "
+            f"{r['device']} | {r['channels_last']} | {r['compiled']} | {1e3 * r['engine_s']:.1f} | "
+            f"{r['images_per_s']:.1f} | {1e3 * r['bare_s']:.1f} | "
+            f"{r['engine_over_bare']:.3f} | {1e3 * r['backbone_s']:.1f} | {r['bare_over_backbone']:.2f} | "
+            f"{r['peak_mib']:.0f} |"
+        )
+    lines += [
+        "",
+        "Two-view augmentation throughput (images/s, each image giving two views; decode included; "
+        f"ours fetched in batches of {AUG_BATCH} and collated). Goal: ours / plain PIL ≥ 1.5.",
+        "",
+        "| augmentation | px | images | ours img/s | plain PIL img/s | speedup |",
+        "|---|---|---|---|---|---|",
+    ]
     for a in aug:
-        lines.append(f"| {a['augmentation']} | {a['image_size']} | {a['images']} | {a['ours_per_s']:.1f} | "
-                     f"{a['plain_per_s']:.1f} | {a['speedup']:.2f}× |")
-    lines += ["", "Worker cost per image (two views) with the colour stage in the worker (the CPU path) or left "
-              "to the GPU (`data.colour_on_device`, default on CUDA), and the bytes per image a worker sends "
-              "(float32 views vs uint8 crops + random draws).", "",
-              "| augmentation | px | worker ms/img | worker ms/img, colour on device | bytes/img | "
-              "bytes/img, colour on device |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {a['augmentation']} | {a['image_size']} | {a['images']} | {a['ours_per_s']:.1f} | "
+            f"{a['plain_per_s']:.1f} | {a['speedup']:.2f}× |"
+        )
+    lines += [
+        "",
+        "Worker cost per image (two views) with the colour stage in the worker (the CPU path) or left "
+        "to the GPU (`data.colour_on_device`, default on CUDA), and the bytes per image a worker sends "
+        "(float32 views vs uint8 crops + random draws).",
+        "",
+        "| augmentation | px | worker ms/img | worker ms/img, colour on device | bytes/img | "
+        "bytes/img, colour on device |",
+        "|---|---|---|---|---|---|",
+    ]
     for a in aug:
-        lines.append(f"| {a['augmentation']} | {a['image_size']} | {a['worker_ms']:.2f} | "
-                     f"{a['deferred_worker_ms']:.2f} | {a['bytes']:.0f} | {a['deferred_bytes']:.0f} |")
+        lines.append(
+            f"| {a['augmentation']} | {a['image_size']} | {a['worker_ms']:.2f} | "
+            f"{a['deferred_worker_ms']:.2f} | {a['bytes']:.0f} | {a['deferred_bytes']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -235,9 +307,12 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.learning import main as learning
 
         return learning(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m pretrain.bench", description=__doc__.splitlines()[0],
-                                     epilog="`python -m pretrain.bench learning --help`: the table of what each "
-                                            "tiny recipe learns (benchmarks/learning.md)")
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain.bench",
+        description=__doc__.splitlines()[0],
+        epilog="`python -m pretrain.bench learning --help`: the table of what each "
+        "tiny recipe learns (benchmarks/learning.md)",
+    )
     parser.add_argument("--recipes", default=None, help="comma-separated recipe names (default: every tiny_*)")
     parser.add_argument("--data-root", default="datasets/synthetic/imagenet/train")
     parser.add_argument("--steps", type=int, default=20)
@@ -245,10 +320,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--aug-sizes", default="64,224", help="augmentation benchmark output sizes")
     parser.add_argument("--aug-images", type=int, default=256)
     parser.add_argument("--out", default="benchmarks/pretrain.md")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="where the steps run (auto: CUDA when available)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for every recipe, e.g. train.channels_last=true (repeatable)")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the steps run (auto: CUDA when available)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every recipe, e.g. train.channels_last=true (repeatable)",
+    )
     parser.add_argument("--no-augmentation", action="store_true", help="skip the augmentation throughput part")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: one recipe, JSON out
     args = parser.parse_args(argv)
@@ -261,31 +345,54 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT=" + json.dumps(bench_recipe(args.one, overrides, args.warmup, args.steps)))
         return
     if not Path(args.data_root).is_dir():
-        sys.exit(f"error: --data-root {args.data_root} does not exist (generate it: "
-                 "python -m transfer.datasets.synthetic --out datasets/synthetic --preset small)")
+        sys.exit(
+            f"error: --data-root {args.data_root} does not exist (generate it: "
+            "python -m transfer.datasets.synthetic --out datasets/synthetic --preset small)"
+        )
     recipes = args.recipes.split(",") if args.recipes else sorted(p.stem for p in RECIPES_DIR.glob("tiny_*.yaml"))
     rows = []
     for recipe in recipes:
-        res = subprocess.run([sys.executable, "-m", "pretrain.bench", "--one", recipe, "--data-root", args.data_root,
-                              "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-                              *(f"--set={kv}" for kv in args.set)],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pretrain.bench",
+                "--one",
+                recipe,
+                "--data-root",
+                args.data_root,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--device",
+                args.device,
+                *(f"--set={kv}" for kv in args.set),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if res.returncode != 0 or "RESULT=" not in res.stdout:
             sys.exit(f"error: benchmark of {recipe} failed:\n{res.stderr[-2000:]}")
         rows.append(json.loads(res.stdout.rsplit("RESULT=", 1)[1]))
         r = rows[-1]
-        print(f"{recipe}: engine {1e3 * r['engine_s']:.1f} ms/step ({r['images_per_s']:.1f} img/s), bare "
-              f"{1e3 * r['bare_s']:.1f} ms, engine/bare {r['engine_over_bare']:.3f}, peak {r['peak_mib']:.0f} MiB",
-              flush=True)
+        print(
+            f"{recipe}: engine {1e3 * r['engine_s']:.1f} ms/step ({r['images_per_s']:.1f} img/s), bare "
+            f"{1e3 * r['bare_s']:.1f} ms, engine/bare {r['engine_over_bare']:.3f}, peak {r['peak_mib']:.0f} MiB",
+            flush=True,
+        )
     aug = []
-    for size in ([] if args.no_augmentation else (int(s) for s in args.aug_sizes.split(","))):
+    for size in [] if args.no_augmentation else (int(s) for s in args.aug_sizes.split(",")):
         for recipe in ("mocov1", "mocov2", "simclr", "byol"):
             aug.append(bench_augmentation(recipe, args.data_root, size, args.aug_images))
             a = aug[-1]
-            print(f"augmentation {recipe} @{size}px: ours {a['ours_per_s']:.1f} img/s, plain PIL "
-                  f"{a['plain_per_s']:.1f} img/s, {a['speedup']:.2f}×; worker {a['worker_ms']:.2f} ms/img, "
-                  f"{a['deferred_worker_ms']:.2f} with colour on device; {a['bytes']:.0f} vs "
-                  f"{a['deferred_bytes']:.0f} bytes/img", flush=True)
+            print(
+                f"augmentation {recipe} @{size}px: ours {a['ours_per_s']:.1f} img/s, plain PIL "
+                f"{a['plain_per_s']:.1f} img/s, {a['speedup']:.2f}×; worker {a['worker_ms']:.2f} ms/img, "
+                f"{a['deferred_worker_ms']:.2f} with colour on device; {a['bytes']:.0f} vs "
+                f"{a['deferred_bytes']:.0f} bytes/img",
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(_report(rows, aug, args))
     print(f"wrote {args.out}")

@@ -54,8 +54,9 @@ def keep_previous(last: Path) -> None:
 
 def git_sha() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -93,23 +94,36 @@ def save_training_state(path: Path, accelerator, method, optimizer, step: int, s
     rngs = _all_rng_states()
     if accelerator.is_main_process:
         keep_previous(path)
-        atomic_save({
-            "method": method.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-            "rng": rngs,
-            "step": step,
-            "steps_per_epoch": steps_per_epoch,
-            "config": OmegaConf.to_container(cfg),
-        }, path)
+        atomic_save(
+            {
+                "method": method.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+                "rng": rngs,
+                "step": step,
+                "steps_per_epoch": steps_per_epoch,
+                "config": OmegaConf.to_container(cfg),
+            },
+            path,
+        )
     accelerator.wait_for_everyone()
 
 
 # A resume continues the same run: these keys must not change in between (the rest may, e.g.
 # train.max_steps or logging cadence).
-RESUME_INVARIANT_KEYS = ("method", "model", "optim.name", "optim.exclude_norm_bias", "train.batch_size",
-                         "train.seed", "data.root", "data.augmentation", "data.views", "data.image_size",
-                         "data.min_crop_scale")
+RESUME_INVARIANT_KEYS = (
+    "method",
+    "model",
+    "optim.name",
+    "optim.exclude_norm_bias",
+    "train.batch_size",
+    "train.seed",
+    "data.root",
+    "data.augmentation",
+    "data.views",
+    "data.image_size",
+    "data.min_crop_scale",
+)
 _ABSENT = object()
 
 
@@ -128,9 +142,11 @@ def _check_same_setup(path: Path, saved: dict, cfg) -> None:
         if was is _ABSENT and key in _select(current, key.rsplit(".", 1)[0], {}):
             continue  # a key added after the checkpoint was written (e.g. data.views): nothing to compare
         if was != now:
-            raise ResumeError(f"checkpoint {path} was written with {key}={was}, this run has {key}={now}: "
-                               "resume with the same setting, or start afresh with train.resume=none "
-                               "or another train.output_dir")
+            raise ResumeError(
+                f"checkpoint {path} was written with {key}={was}, this run has {key}={now}: "
+                "resume with the same setting, or start afresh with train.resume=none "
+                "or another train.output_dir"
+            )
 
 
 def read_training_state(path: Path) -> dict:
@@ -141,27 +157,34 @@ def read_training_state(path: Path) -> dict:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ResumeError(f"cannot read checkpoint {path} ({first})") from None
     if not isinstance(state, dict) or not {"method", "optimizer", "step"} <= state.keys():
-        raise ResumeError(f"{path} is not a training checkpoint (expected the keys method, optimizer, step; "
-                          "checkpoint_final.pth cannot be resumed, use checkpoint_last.pth)")
+        raise ResumeError(
+            f"{path} is not a training checkpoint (expected the keys method, optimizer, step; "
+            "checkpoint_final.pth cannot be resumed, use checkpoint_last.pth)"
+        )
     return state
 
 
-def load_training_state(path: Path, accelerator, method, optimizer, steps_per_epoch: int, cfg,
-                        state: dict | None = None) -> int:
+def load_training_state(
+    path: Path, accelerator, method, optimizer, steps_per_epoch: int, cfg, state: dict | None = None
+) -> int:
     """Restore everything saved by save_training_state; returns the global step to continue from."""
     state = read_training_state(path) if state is None else state
     if state.get("steps_per_epoch") != steps_per_epoch:
-        raise ResumeError(f"checkpoint {path} was written with {state.get('steps_per_epoch')} steps per epoch, "
-                          f"this run has {steps_per_epoch}: data.root or train.batch_size changed")
+        raise ResumeError(
+            f"checkpoint {path} was written with {state.get('steps_per_epoch')} steps per epoch, "
+            f"this run has {steps_per_epoch}: data.root or train.batch_size changed"
+        )
     _check_same_setup(path, state.get("config") or {}, cfg)
     try:
         method.load_state_dict(state["method"])
         optimizer.load_state_dict(state["optimizer"])
     except (KeyError, ValueError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0]
-        raise ResumeError(f"checkpoint {path} does not fit this run's method/optimizer ({first}); "
-                          "resume with the config it was written with, or start afresh with train.resume=none "
-                          "or another train.output_dir") from None
+        raise ResumeError(
+            f"checkpoint {path} does not fit this run's method/optimizer ({first}); "
+            "resume with the config it was written with, or start afresh with train.resume=none "
+            "or another train.output_dir"
+        ) from None
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]
@@ -179,8 +202,9 @@ def resume_candidates(cfg) -> list[Path]:
         out = Path(cfg.train.output_dir)
         return [p for p in (out / LAST_NAME, out / PREV_NAME) if p.is_file()]
     if not Path(choice).is_file():
-        raise ResumeError(f"train.resume={choice!r}: no such checkpoint; give the path of a checkpoint_last.pth, "
-                          "or auto/none")
+        raise ResumeError(
+            f"train.resume={choice!r}: no such checkpoint; give the path of a checkpoint_last.pth, or auto/none"
+        )
     return [Path(choice)]
 
 
@@ -200,23 +224,29 @@ def choose_resume(cfg, log=print) -> tuple[Path, dict] | None:
             log(f"warning: {error}; resuming from {path} instead")
         return path, state
     if errors:
-        raise ResumeError("; ".join(errors) + ": no readable checkpoint to resume; remove them to start afresh, "
-                          "or set train.resume=none or another train.output_dir")
+        raise ResumeError(
+            "; ".join(errors) + ": no readable checkpoint to resume; remove them to start afresh, "
+            "or set train.resume=none or another train.output_dir"
+        )
     return None
 
 
 def export_final(path: Path, method, cfg, step: int) -> None:
     """The backbone (and the momentum encoder's, if any) in torchvision ResNet naming."""
     momentum = method.momentum_backbone
-    atomic_save({
-        "format": FINAL_FORMAT,
-        "backbone": {k: v.detach().cpu() for k, v in method.backbone.state_dict().items()},
-        "momentum_backbone": (None if momentum is None
-                              else {k: v.detach().cpu() for k, v in momentum.state_dict().items()}),
-        "arch": cfg.model.arch,
-        "stem": cfg.model.stem,
-        "method": cfg.method.name,
-        "step": step,
-        "git_sha": git_sha(),
-        "config": OmegaConf.to_container(cfg),
-    }, path)
+    atomic_save(
+        {
+            "format": FINAL_FORMAT,
+            "backbone": {k: v.detach().cpu() for k, v in method.backbone.state_dict().items()},
+            "momentum_backbone": (
+                None if momentum is None else {k: v.detach().cpu() for k, v in momentum.state_dict().items()}
+            ),
+            "arch": cfg.model.arch,
+            "stem": cfg.model.stem,
+            "method": cfg.method.name,
+            "step": step,
+            "git_sha": git_sha(),
+            "config": OmegaConf.to_container(cfg),
+        },
+        path,
+    )

@@ -28,7 +28,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "data": {
         "root": "datasets/imagenet/train",  # ImageFolder or a flat folder of images
         "augmentation": "mocov2",  # the preset of configs/augment/: mocov1 | mocov2 | simclr | byol
-        "views": None,  # null: the preset's views; a list replaces them; data.views.0.jitter.p=0.5 edits (docs/augmentation.md)
+        # null: the preset's views; a list replaces them; data.views.0.jitter.p=0.5 edits (docs/augmentation.md)
+        "views": None,
         "image_size": 224,
         "min_crop_scale": None,  # lower bound of the crop area; None: the recipe's (MoCo 0.2, SimCLR/BYOL 0.08)
         "num_workers": 8,
@@ -131,8 +132,10 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     except ConfigKeyError as e:
         parent = e.full_key.rsplit(".", 1)[0] if "." in e.full_key else ""
         node = OmegaConf.select(defaults, parent) if parent else defaults
-        raise ConfigError(f"unknown key {e.full_key!r} (method {name}): allowed keys"
-                          f"{' under ' + parent if parent else ''}: {sorted(node.keys())}") from None
+        raise ConfigError(
+            f"unknown key {e.full_key!r} (method {name}): allowed keys"
+            f"{' under ' + parent if parent else ''}: {sorted(node.keys())}"
+        ) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid value for {e.full_key!r}: {e.msg}") from None
     OmegaConf.resolve(cfg)
@@ -158,18 +161,26 @@ def validate(cfg: DictConfig, num_processes: int) -> None:
             raise ConfigError(f"{key}={value!r}: expected one of {list(allowed)}")
     b = cfg.train.batch_size
     if not isinstance(b, int) or b <= 0 or b % num_processes:
-        raise ConfigError(f"train.batch_size={b}: expected a positive multiple of the {num_processes} processes "
-                          "(it is the global batch)")
-    for key in ("train.epochs", "data.image_size", "train.log_every", "train.checkpoint_every",
-                "train.diagnostics_every"):
+        raise ConfigError(
+            f"train.batch_size={b}: expected a positive multiple of the {num_processes} processes "
+            "(it is the global batch)"
+        )
+    for key in (
+        "train.epochs",
+        "data.image_size",
+        "train.log_every",
+        "train.checkpoint_every",
+        "train.diagnostics_every",
+    ):
         if not (isinstance(OmegaConf.select(cfg, key), int) and OmegaConf.select(cfg, key) > 0):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected a positive integer")
     if not 0 <= cfg.optim.final_lr <= cfg.optim.lr:
         raise ConfigError(f"optim.final_lr={cfg.optim.final_lr}: expected a number in [0, optim.lr={cfg.optim.lr}]")
     scale = cfg.data.min_crop_scale
     if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale <= 1):
-        raise ConfigError(f"data.min_crop_scale={scale!r}: expected null (the recipe's) or a fraction of the "
-                          "image area in (0, 1]")
+        raise ConfigError(
+            f"data.min_crop_scale={scale!r}: expected null (the recipe's) or a fraction of the image area in (0, 1]"
+        )
     for key in ("train.channels_last", "train.cudnn_benchmark", "train.compile", "data.colour_on_device"):
         if OmegaConf.select(cfg, key) not in (None, True, False):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected true, false or null (automatic)")
@@ -187,4 +198,4 @@ def scaled_lr(cfg: DictConfig, lr: float | None = None) -> float:
     global batch (linear or sqrt rule)."""
     ratio = cfg.train.batch_size / cfg.optim.reference_batch
     lr = cfg.optim.lr if lr is None else lr
-    return lr * {"linear": ratio, "sqrt": ratio ** 0.5, "none": 1.0}[cfg.optim.lr_scaling]
+    return lr * {"linear": ratio, "sqrt": ratio**0.5, "none": 1.0}[cfg.optim.lr_scaling]

@@ -25,8 +25,7 @@ from typing import Callable, Sequence
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torchvision.datasets.folder import (IMG_EXTENSIONS, find_classes, has_file_allowed_extension,
-                                         make_dataset)
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension, make_dataset
 from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
@@ -34,9 +33,21 @@ from pretrain.augment import ViewTransform
 from pretrain.views import IMAGENET_MEAN, IMAGENET_STD, PRESETS, blur_kernel_size, build_view
 from pretrain.views import resolve as resolve_views
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RECIPES", "blur_kernel_size", "build_view_transforms",
-           "build_multicrop_transforms", "eval_transform", "ImageDataset", "collate",
-           "ShardedSampler", "build_loader", "set_loader_epoch", "BadImageTracker"]
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "RECIPES",
+    "blur_kernel_size",
+    "build_view_transforms",
+    "build_multicrop_transforms",
+    "eval_transform",
+    "ImageDataset",
+    "collate",
+    "ShardedSampler",
+    "build_loader",
+    "set_loader_epoch",
+    "BadImageTracker",
+]
 
 RECIPES = PRESETS
 SIGMA = (0.1, 2.0)  # blur σ range of MoCo v2 / SimCLR / BYOL (the presets); not scaled with image size
@@ -51,8 +62,10 @@ def _seed(*parts) -> int:
 
 # ------------------------------------------------------------------------------ augmentations
 
-def build_view_transforms(recipe: str, image_size: int, min_crop_scale: float | None = None,
-                          views=None) -> list[ViewTransform]:
+
+def build_view_transforms(
+    recipe: str, image_size: int, min_crop_scale: float | None = None, views=None
+) -> list[ViewTransform]:
     """The ViewTransforms of the declared views (``pretrain.views``): the preset ``recipe``'s, or
     ``views`` (a full list, or edits of the preset). ``min_crop_scale`` replaces the lower bound
     of every view's crop area (MoCo 0.2, SimCLR and BYOL 0.08); None keeps the declared one."""
@@ -61,10 +74,14 @@ def build_view_transforms(recipe: str, image_size: int, min_crop_scale: float | 
     return [build_view(view, image_size, min_crop_scale) for view in resolve_views(recipe, views)]
 
 
-def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = None,
-                               min_scales: Sequence[float] | None = None,
-                               max_scales: Sequence[float] | None = None,
-                               key_min_scale: float | None = None, view: dict | None = None) -> list[ViewTransform]:
+def build_multicrop_transforms(
+    image_size: int,
+    sizes: Sequence[int] | None = None,
+    min_scales: Sequence[float] | None = None,
+    max_scales: Sequence[float] | None = None,
+    key_min_scale: float | None = None,
+    view: dict | None = None,
+) -> list[ViewTransform]:
     """AdCo: crop 0 is the key (``image_size``, the view's crop scale or ``key_min_scale``–1), then
     one query crop per size with its own scale range, all with the ops of ``view`` (default: the
     mocov2 preset, aug+).
@@ -75,8 +92,10 @@ def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = No
     min_scales = min_scales or (0.2, 0.172, 0.143, 0.114, 0.086)
     max_scales = max_scales or (1.0, 0.86, 0.715, 0.571, 0.429)
     if not len(sizes) == len(min_scales) == len(max_scales):
-        raise ValueError(f"multi-crop: sizes {list(sizes)}, min_scales {list(min_scales)} and "
-                         f"max_scales {list(max_scales)} must have the same length")
+        raise ValueError(
+            f"multi-crop: sizes {list(sizes)}, min_scales {list(min_scales)} and "
+            f"max_scales {list(max_scales)} must have the same length"
+        )
     view = view or resolve_views("mocov2", None)[0]
     queries = [build_view(view, image_size, size=s, scale=(lo, hi)) for s, lo, hi in zip(sizes, min_scales, max_scales)]
     return [build_view(view, image_size, key_min_scale, size=image_size)] + queries
@@ -84,12 +103,20 @@ def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = No
 
 def eval_transform(image_size: int) -> v2.Compose:
     """Shorter side to round(size·256/224), center crop, normalize (kNN monitor, features)."""
-    return v2.Compose([v2.ToImage(), v2.Resize(round(image_size * 256 / 224), antialias=True),
-                       v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD), v2.ToPureTensor()])
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            v2.Resize(round(image_size * 256 / 224), antialias=True),
+            v2.CenterCrop(image_size),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            v2.ToPureTensor(),
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------ dataset
+
 
 def _scan(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     """ImageFolder layout (labels from sorted class folders) or else a flat folder (label -1)."""
@@ -102,12 +129,14 @@ def _scan(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
             return make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS), classes
         except FileNotFoundError as e:
             reason = f" ({e})"
-    flat = sorted(e.path for e in os.scandir(root)
-                  if e.is_file() and has_file_allowed_extension(e.name, IMG_EXTENSIONS))
+    flat = sorted(
+        e.path for e in os.scandir(root) if e.is_file() and has_file_allowed_extension(e.name, IMG_EXTENSIONS)
+    )
     if not flat:
         raise FileNotFoundError(
             f"no images found in {root}: expected root/<class>/<image> or a flat folder of images "
-            f"with extensions {', '.join(IMG_EXTENSIONS)} (any case){reason}")
+            f"with extensions {', '.join(IMG_EXTENSIONS)} (any case){reason}"
+        )
     return [(p, -1) for p in flat], []
 
 
@@ -124,8 +153,9 @@ class ImageDataset(Dataset):
     it is fetched in (``ds[i]`` included). Other view callables run per sample.
     """
 
-    def __init__(self, root: str | os.PathLike, views: Sequence[Callable], seed: int = 0,
-                 colour_on_device: bool = False):
+    def __init__(
+        self, root: str | os.PathLike, views: Sequence[Callable], seed: int = 0, colour_on_device: bool = False
+    ):
         self.root = Path(root)
         self.views = list(views)
         # True: the colour stage is left to the consumer (``finish_views``, on the GPU): items hold
@@ -154,8 +184,9 @@ class ImageDataset(Dataset):
                     return v2.functional.to_image(im.convert("RGB")), label, bad  # convert() decodes
             except _DECODE_ERRORS:
                 bad.append(path)
-        raise UnreadableImagesError(f"no readable image in {self.root} ({len(bad)} files tried, e.g. {bad[0]}); "
-                                    "check the files or data.root")
+        raise UnreadableImagesError(
+            f"no readable image in {self.root} ({len(bad)} files tried, e.g. {bad[0]}); check the files or data.root"
+        )
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[list[torch.Tensor], int, list[str]]]:
         epoch, drawn, labels, bads = int(self._epoch), [], [], []
@@ -165,8 +196,7 @@ class ImageDataset(Dataset):
             # default_generator only: torch.manual_seed would also seed every accelerator (≈0.6 ms).
             with torch.random.fork_rng(devices=[]):
                 torch.default_generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
-                drawn.append([t.sample(image) if isinstance(t, ViewTransform) else t(image)
-                              for t in self.views])
+                drawn.append([t.sample(image) if isinstance(t, ViewTransform) else t(image) for t in self.views])
             labels.append(label)
             bads.append(bad)
         per_view = []
@@ -188,8 +218,10 @@ def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     base = rows[0]._base
     if base is not None and base.is_contiguous() and base.shape[0] == len(rows):
         step = base.stride(0) * base.element_size()
-        if all(r._base is base and r.shape == base.shape[1:] and r.data_ptr() == base.data_ptr() + i * step
-               for i, r in enumerate(rows)):
+        if all(
+            r._base is base and r.shape == base.shape[1:] and r.data_ptr() == base.data_ptr() + i * step
+            for i, r in enumerate(rows)
+        ):
             return base
     return torch.stack(rows)
 
@@ -197,14 +229,20 @@ def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 def collate(batch) -> tuple[list, torch.Tensor, list[str]]:
     """[(views, label, bad)] → (one B×C×H×W tensor per view, labels (B,), all bad paths). A view
     left for the device (``colour_on_device``) becomes a pair (B×C×H×W uint8 crops, B×U uniforms)."""
-    views = [(torch.stack([c for c, _ in v]), torch.stack([u for _, u in v])) if isinstance(v[0], tuple)
-             else _stack(v) for v in zip(*(item[0] for item in batch))]
+    views = [
+        (torch.stack([c for c, _ in v]), torch.stack([u for _, u in v])) if isinstance(v[0], tuple) else _stack(v)
+        for v in zip(*(item[0] for item in batch))
+    ]
     labels = torch.tensor([item[1] for item in batch], dtype=torch.int64)
     return views, labels, [p for item in batch for p in item[2]]
 
 
-def finish_views(views: list, transforms: Sequence[Callable], device: torch.device,
-                 memory_format: torch.memory_format = torch.preserve_format) -> list[torch.Tensor]:
+def finish_views(
+    views: list,
+    transforms: Sequence[Callable],
+    device: torch.device,
+    memory_format: torch.memory_format = torch.preserve_format,
+) -> list[torch.Tensor]:
     """The batch's views on ``device``: finished views are copied; (crops, uniforms) pairs are
     copied as uint8 and finished there (colour stage + normalisation, batched), which gives the
     views the workers would have made (bit for bit on CPU, to float rounding on CUDA)."""
@@ -233,6 +271,7 @@ def prefetch(batches, move: Callable):
 
 # ------------------------------------------------------------------------- sampler and loader
 
+
 class ShardedSampler(Sampler[int]):
     """Per-epoch permutation seeded by (seed, epoch), cut to whole global batches (MoCo's queue
     needs equal full batches), interleaved: rank r takes ``perm[r::num_replicas]``, so global
@@ -240,11 +279,12 @@ class ShardedSampler(Sampler[int]):
     skips the batches a resumed run already consumed; ``len()`` counts what this rank yields.
     """
 
-    def __init__(self, n: int, num_replicas: int = 1, rank: int = 0, seed: int = 0,
-                 batch_size: int = 1):
+    def __init__(self, n: int, num_replicas: int = 1, rank: int = 0, seed: int = 0, batch_size: int = 1):
         if num_replicas < 1 or not 0 <= rank < num_replicas or batch_size < 1:
-            raise ValueError(f"ShardedSampler: need num_replicas ≥ 1, 0 ≤ rank < num_replicas, "
-                             f"batch_size ≥ 1; got {num_replicas}, {rank}, {batch_size}")
+            raise ValueError(
+                f"ShardedSampler: need num_replicas ≥ 1, 0 ≤ rank < num_replicas, "
+                f"batch_size ≥ 1; got {num_replicas}, {rank}, {batch_size}"
+            )
         self.n, self.num_replicas, self.rank = n, num_replicas, rank
         self.seed, self.batch_size = seed, batch_size
         self.epoch, self.start_batch = 0, 0
@@ -268,21 +308,37 @@ class ShardedSampler(Sampler[int]):
         return (self.batches_per_epoch - self.start_batch) * self.batch_size
 
 
-def build_loader(dataset: ImageDataset, batch_size_per_process: int, num_replicas: int = 1,
-                 rank: int = 0, seed: int = 0, num_workers: int = 0,
-                 pin_memory: bool = False) -> DataLoader:
+def build_loader(
+    dataset: ImageDataset,
+    batch_size_per_process: int,
+    num_replicas: int = 1,
+    rank: int = 0,
+    seed: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
     """DataLoader over a ShardedSampler; equal full batches on every rank (drop_last)."""
     batch = batch_size_per_process
     if len(dataset) < batch * num_replicas:
-        raise TooFewImagesError(f"dataset {getattr(dataset, 'root', '')} has {len(dataset)} images, fewer "
-                         f"than one global batch (batch_size {batch} × {num_replicas} processes); "
-                         f"lower batch_size")
+        raise TooFewImagesError(
+            f"dataset {getattr(dataset, 'root', '')} has {len(dataset)} images, fewer "
+            f"than one global batch (batch_size {batch} × {num_replicas} processes); "
+            f"lower batch_size"
+        )
     sampler = ShardedSampler(len(dataset), num_replicas, rank, seed, batch)
     # A private generator: creating an iterator would otherwise draw from the global torch RNG,
     # so a resumed run (new iterator mid-epoch) would diverge from an uninterrupted one.
-    return DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate,
-                      drop_last=True, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        dataset,
+        batch_size=batch,
+        sampler=sampler,
+        collate_fn=collate,
+        drop_last=True,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def set_loader_epoch(loader: DataLoader, epoch: int, start_batch: int = 0) -> None:
@@ -321,10 +377,14 @@ class BadImageTracker:
 
     def check(self) -> None:
         if self.exceeded:
-            raise UnreadableImagesError(f"{self.summary()}, above data.max_bad_fraction {self.max_fraction:.4%}: "
-                                        f"{', '.join(self.bad[:5])}{' ...' if len(self.bad) > 5 else ''}; "
-                                        "fix or remove them, or raise data.max_bad_fraction to skip them")
+            raise UnreadableImagesError(
+                f"{self.summary()}, above data.max_bad_fraction {self.max_fraction:.4%}: "
+                f"{', '.join(self.bad[:5])}{' ...' if len(self.bad) > 5 else ''}; "
+                "fix or remove them, or raise data.max_bad_fraction to skip them"
+            )
 
     def summary(self) -> str:
-        return (f"unreadable images: {len(self.bad)} of {self.seen} loaded ({self.fraction:.4%}; "
-                f"{len(set(self.bad))} distinct files)")
+        return (
+            f"unreadable images: {len(self.bad)} of {self.seen} loaded ({self.fraction:.4%}; "
+            f"{len(set(self.bad))} distinct files)"
+        )

@@ -17,8 +17,9 @@ from pretrain.losses import mi_lower_bound
 
 
 @torch.no_grad()
-def contrastive_stats(pos: torch.Tensor, neg: torch.Tensor, temperature: float, margin: float,
-                      loss: torch.Tensor, n_equivalent: float) -> dict[str, torch.Tensor]:
+def contrastive_stats(
+    pos: torch.Tensor, neg: torch.Tensor, temperature: float, margin: float, loss: torch.Tensor, n_equivalent: float
+) -> dict[str, torch.Tensor]:
     """pos (N,), neg (N, K) cosines; n_equivalent = α with EqCo, else K."""
     pos, neg = pos.float(), neg.float()
     logits = torch.cat([(pos - margin).unsqueeze(1), neg], dim=1) / temperature

@@ -20,13 +20,29 @@ from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from pretrain import dist
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove_stale_temporaries
-from pretrain.checkpoint import (LAST_NAME, PREV_NAME, ResumeError, choose_resume, export_final, git_sha,
-                                 load_training_state, read_training_state, save_training_state)
+from pretrain import dist
+from pretrain.checkpoint import (
+    LAST_NAME,
+    PREV_NAME,
+    ResumeError,
+    choose_resume,
+    export_final,
+    git_sha,
+    load_training_state,
+    read_training_state,
+    save_training_state,
+)
 from pretrain.config import per_process_batch, scaled_lr
-from pretrain.data import (BadImageTracker, ImageDataset, UnreadableImagesError, build_loader, finish_views, prefetch,
-                           set_loader_epoch)
+from pretrain.data import (
+    BadImageTracker,
+    ImageDataset,
+    UnreadableImagesError,
+    build_loader,
+    finish_views,
+    prefetch,
+    set_loader_epoch,
+)
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
@@ -60,8 +76,11 @@ def trim_metrics(path: Path, step: int) -> None:
     resumed run logs those steps again, and every step must appear once."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [
+        line
+        for line in path.read_text().splitlines(keepends=True)
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
     atomic_write(path, lambda tmp: tmp.write_text("".join(kept)))
 
 
@@ -96,13 +115,17 @@ def resume(cfg, accelerator, method, optimizer, steps_per_epoch: int) -> int:
     visible = dist.gather_objects((path.is_file(), socket.gethostname()))
     missing = [f"process {r} on {host}" for r, (seen, host) in enumerate(visible) if not seen]
     if missing:
-        raise ResumeError(f"{path} is not visible to {', '.join(missing)}: resuming needs train.output_dir on a "
-                          "filesystem shared by all machines (or the same checkpoint copied to each)")
+        raise ResumeError(
+            f"{path} is not visible to {', '.join(missing)}: resuming needs train.output_dir on a "
+            "filesystem shared by all machines (or the same checkpoint copied to each)"
+        )
     step = load_training_state(path, accelerator, method, optimizer, steps_per_epoch, cfg, read_training_state(path))
     steps = dist.gather_objects(step)
     if len(set(steps)) > 1:
-        raise ResumeError(f"the processes read different steps from {path} ({steps}): the file changed while "
-                          "they read it; start again")
+        raise ResumeError(
+            f"the processes read different steps from {path} ({steps}): the file changed while "
+            "they read it; start again"
+        )
     accelerator.print(f"resumed from {path} at step {step}")
     return step
 
@@ -127,8 +150,11 @@ def gpu_settings(cfg, method: torch.nn.Module, device: torch.device) -> SpeedSet
     the same with or without it."""
     cuda = device.type == "cuda"
     t = cfg.train
-    speed = SpeedSettings(cuda if t.channels_last is None else t.channels_last,
-                          cuda if t.cudnn_benchmark is None else t.cudnn_benchmark, bool(t.compile))
+    speed = SpeedSettings(
+        cuda if t.channels_last is None else t.channels_last,
+        cuda if t.cudnn_benchmark is None else t.cudnn_benchmark,
+        bool(t.compile),
+    )
     torch.backends.cudnn.benchmark = speed.cudnn_benchmark
     if speed.channels_last:
         method.to(memory_format=torch.channels_last)
@@ -158,10 +184,12 @@ def _train(cfg, accelerator: Accelerator) -> Path:
     if main:
         atomic_write(out / "config.yaml", lambda tmp: tmp.write_text(OmegaConf.to_yaml(cfg)))
         accelerator.print(OmegaConf.to_yaml(cfg))
-        accelerator.print(f"git {git_sha()} | {n_proc} process(es) on {accelerator.device} | batch "
-                          f"{cfg.train.batch_size} global = {n_local} per process | lr {scaled_lr(cfg):.4g} "
-                          f"(optim.lr {cfg.optim.lr} at batch {cfg.optim.reference_batch}, "
-                          f"{cfg.optim.lr_scaling} scaling) | mixed precision {accelerator.mixed_precision}")
+        accelerator.print(
+            f"git {git_sha()} | {n_proc} process(es) on {accelerator.device} | batch "
+            f"{cfg.train.batch_size} global = {n_local} per process | lr {scaled_lr(cfg):.4g} "
+            f"(optim.lr {cfg.optim.lr} at batch {cfg.optim.reference_batch}, "
+            f"{cfg.optim.lr_scaling} scaling) | mixed precision {accelerator.mixed_precision}"
+        )
     set_seed(cfg.train.seed)  # identical initial weights and queues on every rank
 
     # ------------------------------------------------------------------ method and optimizer
@@ -169,8 +197,10 @@ def _train(cfg, accelerator: Accelerator) -> Path:
     if method.sync_bn and n_proc > 1:  # SyncBN needs a process group: never in one process
         method = convert_sync_batchnorm(method, accelerator.device)
     speed = gpu_settings(cfg, method, accelerator.device)
-    accelerator.print(f"channels_last {speed.channels_last} | cudnn.benchmark {speed.cudnn_benchmark} | "
-                      f"compiled encoders {speed.compiled}")
+    accelerator.print(
+        f"channels_last {speed.channels_last} | cudnn.benchmark {speed.cudnn_benchmark} | "
+        f"compiled encoders {speed.compiled}"
+    )
     optimizer = build_optimizer(method, cfg)
 
     # ------------------------------------------------------------------ data
@@ -178,8 +208,15 @@ def _train(cfg, accelerator: Accelerator) -> Path:
     device = accelerator.device
     colour_on_device = device.type == "cuda" if cfg.data.colour_on_device is None else cfg.data.colour_on_device
     dataset = ImageDataset(cfg.data.root, views, seed=cfg.train.seed, colour_on_device=colour_on_device)
-    loader = build_loader(dataset, n_local, n_proc, accelerator.process_index, cfg.train.seed,
-                          cfg.data.num_workers, cfg.data.pin_memory and accelerator.device.type == "cuda")
+    loader = build_loader(
+        dataset,
+        n_local,
+        n_proc,
+        accelerator.process_index,
+        cfg.train.seed,
+        cfg.data.num_workers,
+        cfg.data.pin_memory and accelerator.device.type == "cuda",
+    )
     steps_per_epoch = loader.sampler.batches_per_epoch
     last_step = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps is not None:
@@ -200,26 +237,38 @@ def _train(cfg, accelerator: Accelerator) -> Path:
         if not dist.start_all_ranks_true(parameters_usable(method).unsqueeze(0)).wait()[0]:
             raise NonFiniteLossError(
                 f"the parameters after step {at_step} are not finite (or too large to square in fp32); stopped "
-                f"without saving. {last_good()} Lower optim.lr, or use train.mixed_precision=bf16/no")
+                f"without saving. {last_good()} Lower optim.lr, or use train.mixed_precision=bf16/no"
+            )
         save_training_state(last_path, accelerator, method, optimizer, at_step, steps_per_epoch, cfg)
 
     def last_good() -> str:
         good = [p for p in (last_path, out / PREV_NAME) if p.is_file()]
-        return (f"Last good checkpoint: {good[0]}; train.resume=auto continues from it." if good
-                else "No checkpoint was written yet.")
+        return (
+            f"Last good checkpoint: {good[0]}; train.resume=auto continues from it."
+            if good
+            else "No checkpoint was written yet."
+        )
 
     # ------------------------------------------------------------------ loop
     bad_images = BadImageTracker(cfg.data.max_bad_fraction)
     metrics = open(out / "metrics.jsonl", "a") if main else None
     accelerator.init_trackers("pretrain")
-    bar = tqdm(total=last_step, initial=step, desc=f"{cfg.method.name} pretrain", unit="step",
-               disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    bar = tqdm(
+        total=last_step,
+        initial=step,
+        desc=f"{cfg.method.name} pretrain",
+        unit="step",
+        disable=not accelerator.is_local_main_process,
+        dynamic_ncols=True,
+    )
     while step < last_step:
         epoch, start_batch = divmod(step, steps_per_epoch)
         set_loader_epoch(loader, epoch, start_batch)
         t0 = time.perf_counter()
-        to_device = lambda batch: (finish_views(batch[0], dataset.views, device, speed.memory_format),  # noqa: E731
-                                   batch[2])
+
+        def to_device(batch):  # (views, labels, bad paths) -> (views on the device, bad paths)
+            return finish_views(batch[0], dataset.views, device, speed.memory_format), batch[2]
+
         for images, bad in prefetch(loader, to_device):
             t_data = time.perf_counter() - t0
             bad_images.update(bad, n_local)
@@ -233,28 +282,37 @@ def _train(cfg, accelerator: Accelerator) -> Path:
             loss = output["loss"]
             # Both stop conditions in one reduction that travels during the backward; read just
             # before the step, so the step never applies a non-finite update and all ranks stop together.
-            flags = torch.stack([torch.isfinite(loss.detach()).all(),
-                                 torch.tensor(not bad_images.exceeded, device=loss.device)])
+            flags = torch.stack(
+                [torch.isfinite(loss.detach()).all(), torch.tensor(not bad_images.exceeded, device=loss.device)]
+            )
             verdict = dist.start_all_ranks_true(flags)
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             finite, images_ok = verdict.wait()
             if not images_ok:
                 bad_images.check()  # raises naming this process's unreadable files
-                raise UnreadableImagesError("unreadable images above data.max_bad_fraction on another process "
-                                            "(see its error for the file names)")
+                raise UnreadableImagesError(
+                    "unreadable images above data.max_bad_fraction on another process "
+                    "(see its error for the file names)"
+                )
             if not finite:
                 raise NonFiniteLossError(
                     f"non-finite loss ({loss.item()}) at step {step} (epoch {epoch}); stopped without saving. "
-                    f"{last_good()} Lower optim.lr, or use train.mixed_precision=bf16/no")
+                    f"{last_good()} Lower optim.lr, or use train.mixed_precision=bf16/no"
+                )
             optimizer.step()
             method.after_step(skipped=accelerator.optimizer_step_was_skipped)  # e.g. AdCo's ascent
             step += 1
             t_step = time.perf_counter() - t0
 
             if step % cfg.train.log_every == 0 or diagnose or step == last_step:
-                row = {"step": step, "epoch": step / steps_per_epoch, "lr": lr, "data_time": t_data,
-                       "step_time": t_step}
+                row = {
+                    "step": step,
+                    "epoch": step / steps_per_epoch,
+                    "lr": lr,
+                    "data_time": t_data,
+                    "step_time": t_step,
+                }
                 row.update({k: accelerator.reduce(v.detach().float(), "mean").item() for k, v in output.items()})
                 if diagnose:
                     scaler = accelerator.scaler  # fp16: the retained gradient carries the loss scale
@@ -264,8 +322,7 @@ def _train(cfg, accelerator: Accelerator) -> Path:
                 if metrics:
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
-                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.3g}", data=f"{t_data:.3f}s",
-                                step=f"{t_step:.3f}s")
+                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.3g}", data=f"{t_data:.3f}s", step=f"{t_step:.3f}s")
             bar.update(1)
             if step % cfg.train.checkpoint_every == 0 or step == last_step:
                 save(step)
@@ -279,9 +336,17 @@ def _train(cfg, accelerator: Accelerator) -> Path:
         if epoch_done and cfg.knn.train_dir and (step // steps_per_epoch) % cfg.knn.every_epochs == 0:
             # Every process extracts its share of the images (with workers and autocast) and votes
             # on its device, so no process waits in a barrier while one does all the work.
-            acc = knn_accuracy(method.backbone, cfg.knn.train_dir, cfg.knn.val_dir, cfg.data.image_size,
-                               accelerator.device, cfg.knn.k, cfg.knn.temperature, workers=cfg.data.num_workers,
-                               autocast=accelerator.autocast)
+            acc = knn_accuracy(
+                method.backbone,
+                cfg.knn.train_dir,
+                cfg.knn.val_dir,
+                cfg.data.image_size,
+                accelerator.device,
+                cfg.knn.k,
+                cfg.knn.temperature,
+                workers=cfg.data.num_workers,
+                autocast=accelerator.autocast,
+            )
             if main:
                 row = {"step": step, "epoch": step / steps_per_epoch, "knn_top1": acc}
                 accelerator.log(row, step=step)
@@ -300,8 +365,9 @@ def _train(cfg, accelerator: Accelerator) -> Path:
         if skipped:  # skip mode: say which files were replaced by their next readable neighbour
             listing = out / "unreadable_images.txt"
             atomic_write(listing, lambda tmp: tmp.write_text("".join(f"{path}\n" for path in skipped)))
-            accelerator.print(f"skipped {len(skipped)} unreadable images, e.g. {', '.join(skipped[:3])}; "
-                              f"all of them in {listing}")
+            accelerator.print(
+                f"skipped {len(skipped)} unreadable images, e.g. {', '.join(skipped[:3])}; all of them in {listing}"
+            )
         accelerator.print(f"{bad_images.summary()}\nwrote {final}")
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -98,17 +98,28 @@ def _jitter(x, apply, order, factors, enabled):
                     img[0, p], img[1, p], img[2, p] = r, g, b
 
 
-def color_jitter_(x: torch.Tensor, apply: torch.Tensor, order: torch.Tensor, factors: torch.Tensor,
-                  enabled: tuple[bool, bool, bool, bool]) -> torch.Tensor:
+def color_jitter_(
+    x: torch.Tensor,
+    apply: torch.Tensor,
+    order: torch.Tensor,
+    factors: torch.Tensor,
+    enabled: tuple[bool, bool, bool, bool],
+) -> torch.Tensor:
     """Jitter x (B×3×H×W float32, CPU) in place and return it.
 
     apply: (B,) bool; order: B×4 fn ids (brightness 0, contrast 1, saturation 2, hue 3);
     factors: B×4, column j the factor of op j; enabled[j] False skips op j (jitter range 0).
     """
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 4 or x.shape[1] != 3
-            or not x.is_contiguous()):
-        raise ValueError(f"color_jitter_: expected a contiguous CPU float32 B×3×H×W tensor (updated in "
-                         f"place), got {x.dtype} {tuple(x.shape)} on {x.device}")
-    _jitter(x.view(x.shape[0], 3, -1).numpy(), apply.numpy().astype(np.bool_), order.numpy().astype(np.int64),
-            factors.numpy().astype(np.float32), np.array(enabled, dtype=np.bool_))
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 4 or x.shape[1] != 3 or not x.is_contiguous():
+        raise ValueError(
+            f"color_jitter_: expected a contiguous CPU float32 B×3×H×W tensor (updated in "
+            f"place), got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    _jitter(
+        x.view(x.shape[0], 3, -1).numpy(),
+        apply.numpy().astype(np.bool_),
+        order.numpy().astype(np.int64),
+        factors.numpy().astype(np.float32),
+        np.array(enabled, dtype=np.bool_),
+    )
     return x

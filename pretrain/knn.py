@@ -20,10 +20,15 @@ from pretrain.data import eval_transform
 
 
 @torch.no_grad()
-def extract_features(backbone: nn.Module, root: str, image_size: int, device: torch.device,
-                     batch_size: int = 256, workers: int = 0,
-                     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
-                     ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def extract_features(
+    backbone: nn.Module,
+    root: str,
+    image_size: int,
+    device: torch.device,
+    batch_size: int = 256,
+    workers: int = 0,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """(N, D) L2-normalized features, (N,) labels and class names of an ImageFolder, on ``device``.
 
     With several processes each extracts every W-th image (rank r: images r, r+W, ...) and the
@@ -43,23 +48,31 @@ def extract_features(backbone: nn.Module, root: str, image_size: int, device: to
         labels.append(y.to(device))
     backbone.train(was_training)
     dim = feats[0].shape[1] if feats else backbone(torch.zeros(1, 3, image_size, image_size, device=device)).shape[1]
-    local = (torch.cat(feats) if feats else torch.zeros(0, dim, device=device),
-             torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=device))
+    local = (
+        torch.cat(feats) if feats else torch.zeros(0, dim, device=device),
+        torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=device),
+    )
     if world == 1:
         return local[0], local[1], dataset.classes
     # Shards differ in length by at most one: pad to the longest, gather, interleave back.
     longest = -(-len(dataset) // world)
     padded = [torch.cat([t, t.new_zeros((longest - len(t), *t.shape[1:]))]) for t in local]
-    gathered = [dist.gather_no_grad(t).view(world, longest, *t.shape[1:]).transpose(0, 1).flatten(0, 1)
-                for t in padded]
+    gathered = [dist.gather_no_grad(t).view(world, longest, *t.shape[1:]).transpose(0, 1).flatten(0, 1) for t in padded]
     order = torch.arange(longest * world, device=device).view(longest, world)
     keep = (order < len(dataset)).flatten()  # drop the padding rows
     return gathered[0][keep], gathered[1][keep], dataset.classes
 
 
 @torch.no_grad()
-def knn_predict(query: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int,
-                k: int = 200, t: float = 0.1, chunk: int = 1024) -> torch.Tensor:
+def knn_predict(
+    query: torch.Tensor,
+    bank: torch.Tensor,
+    bank_labels: torch.Tensor,
+    num_classes: int,
+    k: int = 200,
+    t: float = 0.1,
+    chunk: int = 1024,
+) -> torch.Tensor:
     """Class scores (Nq, C) of normalized queries (Nq, D) against a normalized bank (Nb, D)."""
     k = min(k, bank.shape[0])
     scores = []
@@ -70,15 +83,25 @@ def knn_predict(query: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tens
     return torch.cat(scores)
 
 
-def knn_accuracy(backbone: nn.Module, train_dir: str, val_dir: str, image_size: int, device: torch.device,
-                 k: int = 200, t: float = 0.1, workers: int = 0,
-                 autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> float:
+def knn_accuracy(
+    backbone: nn.Module,
+    train_dir: str,
+    val_dir: str,
+    image_size: int,
+    device: torch.device,
+    k: int = 200,
+    t: float = 0.1,
+    workers: int = 0,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> float:
     """Top-1 accuracy (%) of weighted kNN on val_dir with train_dir as the bank; called by every
     process (extraction sharded, the vote on ``device``), all get the same answer."""
-    bank, bank_labels, classes = extract_features(backbone, train_dir, image_size, device, workers=workers,
-                                                  autocast=autocast)
-    query, labels, val_classes = extract_features(backbone, val_dir, image_size, device, workers=workers,
-                                                  autocast=autocast)
+    bank, bank_labels, classes = extract_features(
+        backbone, train_dir, image_size, device, workers=workers, autocast=autocast
+    )
+    query, labels, val_classes = extract_features(
+        backbone, val_dir, image_size, device, workers=workers, autocast=autocast
+    )
     if classes != val_classes:
         raise ValueError(f"kNN: class folders differ between {train_dir} and {val_dir}")
     pred = knn_predict(query, bank, bank_labels, len(classes), k, t).argmax(dim=1)

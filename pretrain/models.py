@@ -41,11 +41,21 @@ class SplitBatchNorm(nn.BatchNorm2d):
         if not x.is_contiguous():  # channels_last: the sub-batch view below needs NCHW memory
             return self.forward(x.contiguous()).contiguous(memory_format=torch.channels_last)
         if n % s:
-            raise ValueError(f"SplitBatchNorm: batch of {n} is not divisible by num_splits={s} "
-                             "(set method.bn_splits to a divisor of the per-process batch)")
+            raise ValueError(
+                f"SplitBatchNorm: batch of {n} is not divisible by num_splits={s} "
+                "(set method.bn_splits to a divisor of the per-process batch)"
+            )
         mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
-        out = F.batch_norm(x.view(-1, c * s, h, w), mean, var, self.weight.repeat(s), self.bias.repeat(s),
-                           True, self.momentum if self.momentum is not None else 0.1, self.eps)
+        out = F.batch_norm(
+            x.view(-1, c * s, h, w),
+            mean,
+            var,
+            self.weight.repeat(s),
+            self.bias.repeat(s),
+            True,
+            self.momentum if self.momentum is not None else 0.1,
+            self.eps,
+        )
         with torch.no_grad():
             self.running_mean.copy_(mean.view(s, c).mean(0))
             self.running_var.copy_(var.view(s, c).mean(0))
@@ -89,12 +99,20 @@ def build_head(kind: str, in_dim: int, hidden_dim: int, out_dim: int, out_bn: bo
     if kind == "mlp":
         return nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, out_dim))
     if kind == "mlp_bn":
-        return nn.Sequential(nn.Linear(in_dim, hidden_dim, bias=False), nn.BatchNorm1d(hidden_dim),
-                             nn.ReLU(inplace=True), nn.Linear(hidden_dim, out_dim, bias=False),
-                             _bn_without_shift(out_dim))
+        return nn.Sequential(
+            nn.Linear(in_dim, hidden_dim, bias=False),
+            nn.BatchNorm1d(hidden_dim),
+            nn.ReLU(inplace=True),
+            nn.Linear(hidden_dim, out_dim, bias=False),
+            _bn_without_shift(out_dim),
+        )
     if kind == "mlp_hidden_bn":
-        layers = [nn.Linear(in_dim, hidden_dim), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True),
-                  nn.Linear(hidden_dim, out_dim)]
+        layers = [
+            nn.Linear(in_dim, hidden_dim),
+            nn.BatchNorm1d(hidden_dim),
+            nn.ReLU(inplace=True),
+            nn.Linear(hidden_dim, out_dim),
+        ]
         return nn.Sequential(*layers, *([nn.BatchNorm1d(out_dim)] if out_bn else []))
     raise ValueError(f"head {kind!r}: expected one of {HEADS}")
 
@@ -111,8 +129,9 @@ class Encoder(nn.Module):
         return self.head(self.backbone(x))
 
 
-def build_encoder(arch: str, stem: str, head: str, dim: int, hidden_dim: int | None = None,
-                  bn_splits: int = 1, out_bn: bool = False) -> Encoder:
+def build_encoder(
+    arch: str, stem: str, head: str, dim: int, hidden_dim: int | None = None, bn_splits: int = 1, out_bn: bool = False
+) -> Encoder:
     """hidden_dim defaults to the backbone's feature dimension (2048 for ResNet-50), as in the papers."""
     backbone, feat_dim = build_backbone(arch, stem, bn_splits)
     return Encoder(backbone, build_head(head, feat_dim, hidden_dim or feat_dim, dim, out_bn))
@@ -160,7 +179,7 @@ class ProcessGroupBatchNorm(nn.modules.batchnorm._BatchNorm):
         stats = dist.all_reduce_with_grad(torch.cat([xf.sum(dims), (xf * xf).sum(dims), count]))
         n = stats[-1]
         mean = stats[:c] / n
-        var = (stats[c:2 * c] / n - mean * mean).clamp_min(0)
+        var = (stats[c : 2 * c] / n - mean * mean).clamp_min(0)
         with torch.no_grad():
             m = self.momentum if self.momentum is not None else 0.1
             self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
@@ -178,8 +197,9 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, ProcessGroupBatchNorm):
-        bn = ProcessGroupBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                   module.track_running_stats)
+        bn = ProcessGroupBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         bn.load_state_dict(module.state_dict())
         if module.affine:
             bn.weight.requires_grad_(module.weight.requires_grad)

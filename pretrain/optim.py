@@ -21,8 +21,10 @@ def param_groups(model: nn.Module, weight_decay: float, exclude_norm_bias: bool)
     params = [p for p in model.parameters() if p.requires_grad]
     if not exclude_norm_bias:
         return [{"params": params, "weight_decay": weight_decay, "lars": True}]
-    return [{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay, "lars": True},
-            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "lars": False}]
+    return [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay, "lars": True},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "lars": False},
+    ]
 
 
 class LARS(torch.optim.Optimizer):
@@ -54,8 +56,9 @@ class LARS(torch.optim.Optimizer):
             if group["lars"]:
                 w_norm = torch.stack(torch._foreach_norm(params))
                 g_norm = torch.stack(torch._foreach_norm(grads))
-                trust = torch.where((w_norm > 0) & (g_norm > 0), group["eta"] * w_norm / g_norm,
-                                    torch.ones_like(w_norm))
+                trust = torch.where(
+                    (w_norm > 0) & (g_norm > 0), group["eta"] * w_norm / g_norm, torch.ones_like(w_norm)
+                )
                 torch._foreach_mul_(grads, list(trust.unbind()))
             bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
             torch._foreach_mul_(bufs, group["momentum"])

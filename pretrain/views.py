@@ -32,8 +32,11 @@ PRESETS = ("mocov1", "mocov2", "simclr", "byol")
 ALIASES = {"aug+": "mocov2", "aug_plus": "mocov2", "moco_v1": "mocov1", "moco_v2": "mocov2"}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-INTERPOLATIONS = {"bilinear": v2.InterpolationMode.BILINEAR, "bicubic": v2.InterpolationMode.BICUBIC,
-                  "nearest": v2.InterpolationMode.NEAREST}
+INTERPOLATIONS = {
+    "bilinear": v2.InterpolationMode.BILINEAR,
+    "bicubic": v2.InterpolationMode.BICUBIC,
+    "nearest": v2.InterpolationMode.NEAREST,
+}
 
 
 class ViewError(ValueError):
@@ -62,30 +65,56 @@ def _pair(value) -> tuple[float, float] | None:
 
 
 OPS: dict[str, Op] = {
-    "crop": Op({"size": None, "scale": [0.08, 1.0], "ratio": None, "interpolation": "bilinear"},
-               lambda a, size: v2.RandomResizedCrop(
-                   size, scale=_pair(a["scale"]), antialias=True, interpolation=INTERPOLATIONS[a["interpolation"]],
-                   **({} if a["ratio"] is None else {"ratio": _pair(a["ratio"])})), True),
+    "crop": Op(
+        {"size": None, "scale": [0.08, 1.0], "ratio": None, "interpolation": "bilinear"},
+        lambda a, size: v2.RandomResizedCrop(
+            size,
+            scale=_pair(a["scale"]),
+            antialias=True,
+            interpolation=INTERPOLATIONS[a["interpolation"]],
+            **({} if a["ratio"] is None else {"ratio": _pair(a["ratio"])}),
+        ),
+        True,
+    ),
     "hflip": Op({"p": 0.5}, lambda a, size: v2.RandomHorizontalFlip(p=a["p"]), True),
     "vflip": Op({"p": 0.5}, lambda a, size: v2.RandomVerticalFlip(p=a["p"]), True),
-    "rotation": Op({"p": 1.0, "degrees": 10.0, "fill": 0},
-                   lambda a, size: _maybe(a["p"], v2.RandomRotation(a["degrees"], fill=a["fill"])), True),
-    "affine": Op({"p": 1.0, "degrees": 0.0, "translate": None, "scale": None, "shear": None, "fill": 0},
-                 lambda a, size: _maybe(a["p"], v2.RandomAffine(
-                     a["degrees"], translate=_pair(a["translate"]), scale=_pair(a["scale"]), shear=a["shear"],
-                     fill=a["fill"])), True),
-    "perspective": Op({"p": 0.5, "distortion": 0.5, "fill": 0},
-                      lambda a, size: v2.RandomPerspective(a["distortion"], p=a["p"], fill=a["fill"]), True),
+    "rotation": Op(
+        {"p": 1.0, "degrees": 10.0, "fill": 0},
+        lambda a, size: _maybe(a["p"], v2.RandomRotation(a["degrees"], fill=a["fill"])),
+        True,
+    ),
+    "affine": Op(
+        {"p": 1.0, "degrees": 0.0, "translate": None, "scale": None, "shear": None, "fill": 0},
+        lambda a, size: _maybe(
+            a["p"],
+            v2.RandomAffine(
+                a["degrees"], translate=_pair(a["translate"]), scale=_pair(a["scale"]), shear=a["shear"], fill=a["fill"]
+            ),
+        ),
+        True,
+    ),
+    "perspective": Op(
+        {"p": 0.5, "distortion": 0.5, "fill": 0},
+        lambda a, size: v2.RandomPerspective(a["distortion"], p=a["p"], fill=a["fill"]),
+        True,
+    ),
     "equalize": Op({"p": 0.5}, lambda a, size: v2.RandomEqualize(p=a["p"]), True),
-    "jitter": Op({"p": 1.0, "brightness": 0.0, "contrast": 0.0, "saturation": 0.0, "hue": 0.0},
-                 lambda a, size: _maybe(a["p"], v2.ColorJitter(a["brightness"], a["contrast"], a["saturation"],
-                                                              a["hue"])), False),
+    "jitter": Op(
+        {"p": 1.0, "brightness": 0.0, "contrast": 0.0, "saturation": 0.0, "hue": 0.0},
+        lambda a, size: _maybe(a["p"], v2.ColorJitter(a["brightness"], a["contrast"], a["saturation"], a["hue"])),
+        False,
+    ),
     "grayscale": Op({"p": 0.2}, lambda a, size: v2.RandomGrayscale(p=a["p"]), False),
-    "blur": Op({"p": 0.5, "sigma": [0.1, 2.0], "kernel": None},
-               lambda a, size: v2.RandomApply([v2.GaussianBlur(a["kernel"] or blur_kernel_size(size),
-                                                               sigma=_pair(a["sigma"]))], p=a["p"]), False),
-    "solarize": Op({"p": 0.2, "threshold": 128}, lambda a, size: v2.RandomSolarize(threshold=a["threshold"], p=a["p"]),
-                   False),
+    "blur": Op(
+        {"p": 0.5, "sigma": [0.1, 2.0], "kernel": None},
+        lambda a, size: v2.RandomApply(
+            [v2.GaussianBlur(a["kernel"] or blur_kernel_size(size), sigma=_pair(a["sigma"]))], p=a["p"]
+        ),
+        False,
+    ),
+    "solarize": Op(
+        {"p": 0.2, "threshold": 128}, lambda a, size: v2.RandomSolarize(threshold=a["threshold"], p=a["p"]), False
+    ),
 }
 
 
@@ -94,8 +123,10 @@ def preset(name: str) -> list[dict]:
     name = ALIASES.get(name, name)
     path = PRESET_DIR / f"{name}.yaml"
     if name not in PRESETS and not path.is_file():
-        raise ViewError(f"data.augmentation={name!r}: expected one of {', '.join(PRESETS)} "
-                        f"(aliases: {', '.join(ALIASES)}), or a file name in {PRESET_DIR}")
+        raise ViewError(
+            f"data.augmentation={name!r}: expected one of {', '.join(PRESETS)} "
+            f"(aliases: {', '.join(ALIASES)}), or a file name in {PRESET_DIR}"
+        )
     return OmegaConf.to_container(OmegaConf.load(path))["views"]
 
 
@@ -109,13 +140,17 @@ def resolve(augmentation: str, views) -> list[dict]:
     if views is None or isinstance(views, dict):
         views, edits = preset(augmentation), views
     if not isinstance(views, list) or not views:
-        raise ViewError("data.views: expected null (the preset's), a list of views, or edits by view index "
-                        "(e.g. data.views.0.jitter.p=0.5)")
+        raise ViewError(
+            "data.views: expected null (the preset's), a list of views, or edits by view index "
+            "(e.g. data.views.0.jitter.p=0.5)"
+        )
     resolved = [dict(views[0]), dict(views[0])] if len(views) == 1 else [dict(v) for v in views]
     for key, change in (edits or {}).items():
         if not (key == "all" or (str(key).isdigit() and int(key) < len(resolved))) or not isinstance(change, dict):
-            raise ViewError(f"data.views.{key}: expected 'all' or a view index below {len(resolved)}, mapping op "
-                            "names to parameters (or to null, which removes the op)")
+            raise ViewError(
+                f"data.views.{key}: expected 'all' or a view index below {len(resolved)}, mapping op "
+                "names to parameters (or to null, which removes the op)"
+            )
         for index in range(len(resolved)) if key == "all" else [int(key)]:
             resolved[index] = _edit(resolved[index], change)
     for i, view in enumerate(resolved):
@@ -144,15 +179,17 @@ def check_view(view, where: str) -> None:
             raise ViewError(f"{where}.{name}: expected a mapping of parameters from {sorted(OPS[name].defaults)}")
         unknown = sorted(set(params) - set(OPS[name].defaults))
         if unknown:
-            raise ViewError(f"{where}.{name}.{unknown[0]}: unknown parameter; allowed: "
-                            f"{', '.join(sorted(OPS[name].defaults))}")
+            raise ViewError(
+                f"{where}.{name}.{unknown[0]}: unknown parameter; allowed: {', '.join(sorted(OPS[name].defaults))}"
+            )
         p = params.get("p")
         if p is not None and not (isinstance(p, (int, float)) and 0 <= p <= 1):
             raise ViewError(f"{where}.{name}.p={p!r}: expected a probability in [0, 1]")
         interpolation = params.get("interpolation")
         if interpolation is not None and interpolation not in INTERPOLATIONS:
-            raise ViewError(f"{where}.{name}.interpolation={interpolation!r}: expected one of "
-                            f"{', '.join(INTERPOLATIONS)}")
+            raise ViewError(
+                f"{where}.{name}.interpolation={interpolation!r}: expected one of {', '.join(INTERPOLATIONS)}"
+            )
         args = {**OPS[name].defaults, **params}
         if name == "crop":
             args["size"] = args["size"] or 32
@@ -162,8 +199,13 @@ def check_view(view, where: str) -> None:
             raise ViewError(f"{where}.{name}: {' '.join(str(e).split())}") from None
 
 
-def build_view(view: dict, image_size: int, min_crop_scale: float | None = None, size: int | None = None,
-               scale: tuple[float, float] | None = None):
+def build_view(
+    view: dict,
+    image_size: int,
+    min_crop_scale: float | None = None,
+    size: int | None = None,
+    scale: tuple[float, float] | None = None,
+):
     """A ViewTransform of one declared view (geometric ops first, colour ops after, each group in
     declared order). ``size``/``scale`` replace the crop's (multi-crop); ``min_crop_scale`` replaces
     the lower bound of its scale."""

@@ -48,17 +48,30 @@ def brief_pretraining(tmp_path_factory) -> dict:
     data = tmp_path_factory.mktemp("imagenet_small")
     write_imagenet(data, PRESETS["small"], seed=0, workers=1)
     out = tmp_path_factory.mktemp("brief_pretraining")
-    overrides = [f"data.root={data / 'train'}", f"train.epochs={BRIEF_EPOCHS}", f"train.output_dir={out}",
-                 f"knn.train_dir={data / 'train'}", f"knn.val_dir={data / 'val'}",
-                 f"knn.every_epochs={BRIEF_EPOCHS}", "train.log_every=20"]
-    subprocess.run([sys.executable, "-m", "pretrain", "--config", BRIEF_RECIPE, *overrides], cwd=REPO,
-                   check=True, capture_output=True,  # pytest waits idle meanwhile: the run may use 2 cores
-                   env={**os.environ, "OMP_NUM_THREADS": str(min(2, os.cpu_count() or 1)),
-                        "OMP_WAIT_POLICY": "PASSIVE"})
+    overrides = [
+        f"data.root={data / 'train'}",
+        f"train.epochs={BRIEF_EPOCHS}",
+        f"train.output_dir={out}",
+        f"knn.train_dir={data / 'train'}",
+        f"knn.val_dir={data / 'val'}",
+        f"knn.every_epochs={BRIEF_EPOCHS}",
+        "train.log_every=20",
+    ]
+    subprocess.run(
+        [sys.executable, "-m", "pretrain", "--config", BRIEF_RECIPE, *overrides],
+        cwd=REPO,
+        check=True,
+        capture_output=True,  # pytest waits idle meanwhile: the run may use 2 cores
+        env={**os.environ, "OMP_NUM_THREADS": str(min(2, os.cpu_count() or 1)), "OMP_WAIT_POLICY": "PASSIVE"},
+    )
     # The run's starting point: the engine seeds with train.seed and then builds the method.
     cfg = load_config(REPO / BRIEF_RECIPE, overrides)
     set_seed(cfg.train.seed)
     export_final(out / "init" / "checkpoint_final.pth", METHODS[cfg.method.name](cfg, 1), cfg, 0)
-    return {"init": out / "init" / "checkpoint_final.pth", "pretrained": out / "checkpoint_final.pth",
-            "train_dir": data / "train", "val_dir": data / "val",
-            "metrics": [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]}
+    return {
+        "init": out / "init" / "checkpoint_final.pth",
+        "pretrained": out / "checkpoint_final.pth",
+        "train_dir": data / "train",
+        "val_dir": data / "val",
+        "metrics": [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
+    }

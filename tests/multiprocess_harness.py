@@ -37,8 +37,13 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, out_dir: str, checks: dict[str, Check], timeout_s: float) -> None:
     torch.set_num_threads(1)
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+    torch_dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     results: dict[str, str | None] = {}
     try:
         for name, check in checks.items():
@@ -58,8 +63,9 @@ class Workers:
 
     def __init__(self, checks: dict[str, Check], out_dir: Path, world: int = WORLD, timeout_s: float = 60) -> None:
         self.out_dir, self.world = Path(out_dir), world
-        self.context = mp.spawn(_worker, args=(world, free_port(), str(out_dir), checks, timeout_s), nprocs=world,
-                                join=False)
+        self.context = mp.spawn(
+            _worker, args=(world, free_port(), str(out_dir), checks, timeout_s), nprocs=world, join=False
+        )
 
     def results(self, deadline_s: float = 600) -> list[dict[str, str | None]]:
         """Wait for the workers; per rank, check name -> traceback (None = passed)."""

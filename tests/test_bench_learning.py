@@ -4,18 +4,25 @@ or not, flagging rows that do not beat their random init by 5 kNN points."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from benchmarks import learning
 
 
 def _row(recipe: str, knn: float) -> dict:
-    return {"recipe": recipe, "method": "simclr", "knn_top1": knn, "random_knn_top1": 49.7, "linear_top1": 60.0,
-            "random_linear_top1": 30.0, "seconds": 180.0, "images_per_s": 50.0, "peak_mib": 900.0,
-            "config_hash": "abc", "git_sha": "def"}
+    return {
+        "recipe": recipe,
+        "method": "simclr",
+        "knn_top1": knn,
+        "random_knn_top1": 49.7,
+        "linear_top1": 60.0,
+        "random_linear_top1": 30.0,
+        "seconds": 180.0,
+        "images_per_s": 50.0,
+        "peak_mib": 900.0,
+        "config_hash": "abc",
+        "git_sha": "def",
+    }
 
 
 def test_rows_are_kept_unless_fresh_and_the_table_lists_every_recipe(tmp_path, monkeypatch):
@@ -30,8 +37,16 @@ def test_rows_are_kept_unless_fresh_and_the_table_lists_every_recipe(tmp_path, m
 
     monkeypatch.setattr(learning, "measure", fake_measure)
     out = tmp_path / "learning.md"
-    argv = ["--recipes", "tiny_simclr,tiny_mocov1", "--data", str(data), "--work", str(tmp_path / "work"),
-            "--out", str(out)]
+    argv = [
+        "--recipes",
+        "tiny_simclr,tiny_mocov1",
+        "--data",
+        str(data),
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
     learning.main(argv)
     learning.main(argv)  # both rows measured: nothing is redone
     assert calls == ["tiny_simclr", "tiny_mocov1"]

@@ -31,11 +31,15 @@ def test_demo_pipeline_at_the_tiny_preset(synthetic_root, tmp_path):
         assert (out / "plots" / png).stat().st_size > 10_000, png
 
     report = (out / "report.md").read_text()
-    table = {m.group(1): (float(m.group(2)), float(m.group(3)))
-             for m in re.finditer(r"^\| (.+?) \| ([-\d.]+) \| ([-\d.]+) \| [-+\d.]+ \|$", report, re.M)}
+    table = {
+        m.group(1): (float(m.group(2)), float(m.group(3)))
+        for m in re.finditer(r"^\| (.+?) \| ([-\d.]+) \| ([-\d.]+) \| [-+\d.]+ \|$", report, re.M)
+    }
     knn = [json.loads((out / b / "knn" / "metrics.json").read_text())["top1"] for b in ("pretrained", "random")]
-    svm = [json.loads((out / b / "voc07_svm" / "metrics.json").read_text())["layers"]["res5avg"]["mAP"]
-           for b in ("pretrained", "random")]
+    svm = [
+        json.loads((out / b / "voc07_svm" / "metrics.json").read_text())["layers"]["res5avg"]["mAP"]
+        for b in ("pretrained", "random")
+    ]
     assert table["kNN top-1 (synthetic ImageNet val, %)"] == tuple(round(v, 2) for v in knn)
     assert table["VOC07 SVM mAP (res5avg, %)"] == tuple(round(v, 2) for v in svm)
     assert len(table) == 5 and "![curves](plots/curves.png)" in report

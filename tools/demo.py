@@ -37,8 +37,7 @@ SETTINGS = {
     # it during epoch 3 (configs/pretrain/tiny_mocov2.yaml); tiny SimCLR is below it after 2.
     "small": {"pretrain": ["train.epochs=6"], "probe_epochs": 10, "detection_iters": 200, "svm": []},
     # A smoke run of every stage (the test suite's): one pretraining epoch, three SVM costs.
-    "tiny": {"pretrain": ["train.epochs=1"], "probe_epochs": 2, "detection_iters": 20,
-             "svm": ["--costs", "0.1,1,10"]},
+    "tiny": {"pretrain": ["train.epochs=1"], "probe_epochs": 2, "detection_iters": 20, "svm": ["--costs", "0.1,1,10"]},
 }
 
 
@@ -59,8 +58,9 @@ class Stage:
             with open(log, "w") as f:
                 f.write("$ " + " ".join(cmd) + "\n")
                 f.flush()
-                code = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                       env={**os.environ, **(env or {})})
+                code = subprocess.call(
+                    cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+                )
             if code != 0 or not result.exists():
                 tail = log.read_text().splitlines()[-15:]
                 sys.exit(f"error: stage {name} failed (exit {code}); last lines of {log}:\n" + "\n".join(tail))
@@ -95,11 +95,13 @@ def collect(out: Path, backbones: list[str]) -> dict[str, dict[str, float]]:
         probe = _load(out / b / "linear" / "metrics.json")
         det = _load(out / b / "detection" / "metrics.json")["results"]
         bbox = next(iter(det.values()))["bbox"]
-        for row, value in [("kNN top-1 (synthetic ImageNet val, %)", knn["top1"]),
-                           ("VOC07 SVM mAP (res5avg, %)", svm["mAP"]),
-                           ("linear probe top-1 (synthetic ImageNet val, %)", probe["top1"]),
-                           ("VOC07 test AP50 (FPN fine-tune)", bbox["AP50"]),
-                           ("VOC07 test AP (FPN fine-tune)", bbox["AP"])]:
+        for row, value in [
+            ("kNN top-1 (synthetic ImageNet val, %)", knn["top1"]),
+            ("VOC07 SVM mAP (res5avg, %)", svm["mAP"]),
+            ("linear probe top-1 (synthetic ImageNet val, %)", probe["top1"]),
+            ("VOC07 test AP50 (FPN fine-tune)", bbox["AP50"]),
+            ("VOC07 test AP (FPN fine-tune)", bbox["AP"]),
+        ]:
             rows.setdefault(row, {})[b] = value
     return rows
 
@@ -134,23 +136,34 @@ def pretrain_summary(pretrain_dir: Path) -> str:
     steps = [r for r in rows if "loss" in r]
     knn = [r["knn_top1"] for r in rows if "knn_top1" in r]
     seconds = sum(r.get("step_time", 0.0) for r in steps)
-    text = (f"{steps[-1]['step']} steps ({steps[-1]['epoch']:.0f} epochs, ~{seconds / 60:.1f} min of steps), "
-            f"final loss {steps[-1]['loss']:.3f}")
+    text = (
+        f"{steps[-1]['step']} steps ({steps[-1]['epoch']:.0f} epochs, ~{seconds / 60:.1f} min of steps), "
+        f"final loss {steps[-1]['loss']:.3f}"
+    )
     if knn:
         text += f", kNN monitor top-1 by epoch: {', '.join(f'{v:.1f}' for v in knn)}"
     return text
 
 
 def report(out: Path, rows: dict, method: str, preset: str, pretrain_dir: Path, plots: list[Path]) -> str:
-    lines = [f"# Demo report: {method} on the synthetic `{preset}` data (CPU)", "",
-             f"Pretraining: `configs/pretrain/tiny_{method}.yaml`, {pretrain_summary(pretrain_dir)}.", "",
-             "| metric | pretrained | random init | difference |", "|---|---|---|---|"]
+    lines = [
+        f"# Demo report: {method} on the synthetic `{preset}` data (CPU)",
+        "",
+        f"Pretraining: `configs/pretrain/tiny_{method}.yaml`, {pretrain_summary(pretrain_dir)}.",
+        "",
+        "| metric | pretrained | random init | difference |",
+        "|---|---|---|---|",
+    ]
     for name, vals in rows.items():
         p, r = vals.get("pretrained"), vals.get("random")
         lines.append(f"| {name} | {p:.2f} | {r:.2f} | {p - r:+.2f} |")
-    lines += ["", "Each figure comes from the stage's `metrics.json` under this folder "
-              "(`pretrained/` and `random/`), which also records the preprocessing and settings; "
-              "the commands and their full output are in `logs/`.", ""]
+    lines += [
+        "",
+        "Each figure comes from the stage's `metrics.json` under this folder "
+        "(`pretrained/` and `random/`), which also records the preprocessing and settings; "
+        "the commands and their full output are in `logs/`.",
+        "",
+    ]
     lines += [f"![{p.stem}]({p.relative_to(out)})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -167,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
 
     recipe = ROOT / "configs" / "pretrain" / f"tiny_{args.method}.yaml"
     if not recipe.is_file():
-        names = sorted(p.stem[len("tiny_"):] for p in recipe.parent.glob("tiny_*.yaml"))
+        names = sorted(p.stem[len("tiny_") :] for p in recipe.parent.glob("tiny_*.yaml"))
         sys.exit(f"error: METHOD={args.method}: no {recipe.relative_to(ROOT)}; expected one of {', '.join(names)}")
     data, out = Path(args.data).resolve(), Path(args.out).resolve()
     if args.fresh and out.exists():
@@ -176,23 +189,58 @@ def main(argv: list[str] | None = None) -> None:
     py = sys.executable
     # One stage at a time uses all cores; where a stage runs several processes (SVM fits), passive
     # OpenMP waiting keeps idle threads from spinning on cores the others need.
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env = {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+    }
     n_stages = 3 + 2 * 5 + 1
     with tqdm(total=n_stages, unit="stage", dynamic_ncols=True) as bar:
         stage = Stage(out, args.fresh, bar)
-        stage("data", data / "manifest.json",
-              [py, "-m", "transfer.datasets.synthetic", "--out", str(data), "--preset", args.preset,
-               "--seed", str(args.seed)])
+        stage(
+            "data",
+            data / "manifest.json",
+            [
+                py,
+                "-m",
+                "transfer.datasets.synthetic",
+                "--out",
+                str(data),
+                "--preset",
+                args.preset,
+                "--seed",
+                str(args.seed),
+            ],
+        )
         imagenet = data / "imagenet"
         pretrain_dir = out / "pretrain"
-        final = stage("pretrain", pretrain_dir / "checkpoint_final.pth",
-                      [str(Path(py).parent / "accelerate"), "launch", "--cpu", "--num_processes", "1",
-                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                       "-m", "pretrain", "--config", str(recipe), f"data.root={imagenet / 'train'}",
-                       f"train.output_dir={pretrain_dir}", f"train.seed={args.seed}",
-                       f"knn.train_dir={imagenet / 'train'}", f"knn.val_dir={imagenet / 'val'}",
-                       *settings["pretrain"]], env)
+        final = stage(
+            "pretrain",
+            pretrain_dir / "checkpoint_final.pth",
+            [
+                str(Path(py).parent / "accelerate"),
+                "launch",
+                "--cpu",
+                "--num_processes",
+                "1",
+                "--num_machines",
+                "1",
+                "--mixed_precision",
+                "no",
+                "--dynamo_backend",
+                "no",
+                "-m",
+                "pretrain",
+                "--config",
+                str(recipe),
+                f"data.root={imagenet / 'train'}",
+                f"train.output_dir={pretrain_dir}",
+                f"train.seed={args.seed}",
+                f"knn.train_dir={imagenet / 'train'}",
+                f"knn.val_dir={imagenet / 'val'}",
+                *settings["pretrain"],
+            ],
+            env,
+        )
         import torch
 
         arch = torch.load(final, map_location="cpu", weights_only=False)["arch"]
@@ -204,36 +252,129 @@ def main(argv: list[str] | None = None) -> None:
 
         for name, weights in (("pretrained", final), ("random", random_ckpt)):
             d = out / name
-            stage(f"{name}-knn", d / "knn" / "metrics.json",
-                  [py, "-m", "transfer.knn", "--weights", str(weights), "--train-dir", str(imagenet / "train"),
-                   "--val-dir", str(imagenet / "val"), "--k", "20", "--t", "0.07", "--resize", "73", "--crop", "64",
-                   "--output-dir", str(d / "knn")], env)
-            stage(f"{name}-voc07-svm", d / "voc07_svm" / "metrics.json",
-                  [py, "-m", "transfer.voc07_svm", "--weights", str(weights), "--voc-root", str(data / "VOC2007"),
-                   "--resize", "146", "--crop", "128", *settings["svm"], "--output-dir", str(d / "voc07_svm")], env)
-            stage(f"{name}-linear", d / "linear" / "metrics.json",
-                  [py, "-m", "transfer.linear", "--weights", str(weights), "--dataset", "imagenet",
-                   "--data-root", str(imagenet), "--preset", "moco", "--epochs", str(settings["probe_epochs"]),
-                   # lr 0.3, not the preset's 30 (tuned for ResNet-50 on ImageNet): on these 512-d features
-                   # 30 makes the loss grow past 100x its first value, which the probe stops on.
-                   "--lr", "0.3", "--batch-size", "64", "--resize", "73", "--crop", "64",
-                   "--output-dir", str(d / "linear")], env)
+            stage(
+                f"{name}-knn",
+                d / "knn" / "metrics.json",
+                [
+                    py,
+                    "-m",
+                    "transfer.knn",
+                    "--weights",
+                    str(weights),
+                    "--train-dir",
+                    str(imagenet / "train"),
+                    "--val-dir",
+                    str(imagenet / "val"),
+                    "--k",
+                    "20",
+                    "--t",
+                    "0.07",
+                    "--resize",
+                    "73",
+                    "--crop",
+                    "64",
+                    "--output-dir",
+                    str(d / "knn"),
+                ],
+                env,
+            )
+            stage(
+                f"{name}-voc07-svm",
+                d / "voc07_svm" / "metrics.json",
+                [
+                    py,
+                    "-m",
+                    "transfer.voc07_svm",
+                    "--weights",
+                    str(weights),
+                    "--voc-root",
+                    str(data / "VOC2007"),
+                    "--resize",
+                    "146",
+                    "--crop",
+                    "128",
+                    *settings["svm"],
+                    "--output-dir",
+                    str(d / "voc07_svm"),
+                ],
+                env,
+            )
+            stage(
+                f"{name}-linear",
+                d / "linear" / "metrics.json",
+                [
+                    py,
+                    "-m",
+                    "transfer.linear",
+                    "--weights",
+                    str(weights),
+                    "--dataset",
+                    "imagenet",
+                    "--data-root",
+                    str(imagenet),
+                    "--preset",
+                    "moco",
+                    "--epochs",
+                    str(settings["probe_epochs"]),
+                    # lr 0.3, not the preset's 30 (tuned for ResNet-50 on ImageNet): on these 512-d features
+                    # 30 makes the loss grow past 100x its first value, which the probe stops on.
+                    "--lr",
+                    "0.3",
+                    "--batch-size",
+                    "64",
+                    "--resize",
+                    "73",
+                    "--crop",
+                    "64",
+                    "--output-dir",
+                    str(d / "linear"),
+                ],
+                env,
+            )
             pkl = d / "detectron2.pkl"
             stage(f"{name}-convert", pkl, [py, "-m", "converters.to_detectron2", str(weights), str(pkl)], env)
-            stage(f"{name}-detection", d / "detection" / "metrics.json",
-                  [py, "-m", "transfer.detection", "--config-file",
-                   str(ROOT / "configs" / "detection" / "tiny_voc0712_R_18_FPN_syncbn.yaml"), "--num-gpus", "1",
-                   "--data-root", str(data), "MODEL.WEIGHTS", str(pkl), "OUTPUT_DIR", str(d / "detection"),
-                   "SOLVER.MAX_ITER", str(settings["detection_iters"]),
-                   "SOLVER.STEPS", f"({int(settings['detection_iters'] * 0.8)},)"], env)
+            stage(
+                f"{name}-detection",
+                d / "detection" / "metrics.json",
+                [
+                    py,
+                    "-m",
+                    "transfer.detection",
+                    "--config-file",
+                    str(ROOT / "configs" / "detection" / "tiny_voc0712_R_18_FPN_syncbn.yaml"),
+                    "--num-gpus",
+                    "1",
+                    "--data-root",
+                    str(data),
+                    "MODEL.WEIGHTS",
+                    str(pkl),
+                    "OUTPUT_DIR",
+                    str(d / "detection"),
+                    "SOLVER.MAX_ITER",
+                    str(settings["detection_iters"]),
+                    "SOLVER.STEPS",
+                    f"({int(settings['detection_iters'] * 0.8)},)",
+                ],
+                env,
+            )
 
         plots_dir = out / "plots"
-        stage("curves", plots_dir / "curves.png",
-              [py, "-m", "pretrain.analysis", "curves", str(pretrain_dir), "--out", str(plots_dir)], env)
+        stage(
+            "curves",
+            plots_dir / "curves.png",
+            [py, "-m", "pretrain.analysis", "curves", str(pretrain_dir), "--out", str(plots_dir)],
+            env,
+        )
     rows = collect(out, ["pretrained", "random"])
     comparison_plot(rows, plots_dir / "pretrained_vs_random.png")
-    text = report(out, rows, args.method, args.preset, pretrain_dir,
-                  [plots_dir / "pretrained_vs_random.png", plots_dir / "curves.png"])
+    text = report(
+        out,
+        rows,
+        args.method,
+        args.preset,
+        pretrain_dir,
+        [plots_dir / "pretrained_vs_random.png", plots_dir / "curves.png"],
+    )
     (out / "report.md").write_text(text)
     width = max(len(n) for n in rows)
     print(f"\n{'metric':<{width}}  pretrained  random init")

@@ -35,8 +35,10 @@ def main() -> int:
         rel = abs(a[step] - b[step]) / max(abs(b[step]), 1e-12)
         worst = max(worst, rel)
         print(f"step {step}: {a[step]:.6f} vs {b[step]:.6f} (rel {rel:.2e})")
-    print(f"{'EQUAL' if worst <= args.rtol else 'DIFFERENT'}: worst relative difference {worst:.2e} "
-          f"(tolerance {args.rtol:g})")
+    print(
+        f"{'EQUAL' if worst <= args.rtol else 'DIFFERENT'}: worst relative difference {worst:.2e} "
+        f"(tolerance {args.rtol:g})"
+    )
     return 0 if worst <= args.rtol else 1
 
 

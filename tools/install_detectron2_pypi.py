@@ -23,9 +23,22 @@ PACKAGE = "sal-detectron2==0.7.2"
 # _C extension needs the old numpy ABI). setuptools<81 still ships pkg_resources, which
 # detectron2.model_zoo imports.
 RUNTIME_DEPS = [
-    "setuptools<81", "Pillow>=7.1", "matplotlib", "pycocotools>=2.0.2", "termcolor>=1.1",
-    "yacs>=0.1.8", "tabulate", "cloudpickle", "tqdm>4.29.0", "tensorboard", "fvcore", "iopath",
-    "omegaconf>=2.1,<2.4", "hydra-core>=1.1", "black", "packaging",
+    "setuptools<81",
+    "Pillow>=7.1",
+    "matplotlib",
+    "pycocotools>=2.0.2",
+    "termcolor>=1.1",
+    "yacs>=0.1.8",
+    "tabulate",
+    "cloudpickle",
+    "tqdm>4.29.0",
+    "tensorboard",
+    "fvcore",
+    "iopath",
+    "omegaconf>=2.1,<2.4",
+    "hydra-core>=1.1",
+    "black",
+    "packaging",
 ]
 
 
@@ -40,8 +53,20 @@ def main() -> None:
     target = venv / "detectron2-pypi"
     if target.exists():
         shutil.rmtree(target)
-    pip("install", "--no-deps", "--only-binary=:all:", "--python-version", "3.10",
-        "--implementation", "cp", "--platform", "any", "--target", str(target), PACKAGE)
+    pip(
+        "install",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.10",
+        "--implementation",
+        "cp",
+        "--platform",
+        "any",
+        "--target",
+        str(target),
+        PACKAGE,
+    )
 
     compiled = list((target / "detectron2").glob("_C*.so"))
     for so in compiled:

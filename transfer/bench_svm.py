@@ -25,12 +25,20 @@ import numpy as np
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.model_selection import cross_val_score
 
-from transfer.voc07_svm import (DEFAULT_COSTS, l2_normalize, make_svm, run_svms, scoring_targets,
-                                training_targets, voc_ap)
+from transfer.voc07_svm import (
+    DEFAULT_COSTS,
+    l2_normalize,
+    make_svm,
+    run_svms,
+    scoring_targets,
+    training_targets,
+    voc_ap,
+)
 
 
-def synthetic_voc_features(seed: int = 0, n_train: int = 5011, n_test: int = 4952, dim: int = 2048,
-                           classes: int = 20) -> dict[str, np.ndarray]:
+def synthetic_voc_features(
+    seed: int = 0, n_train: int = 5011, n_test: int = 4952, dim: int = 2048, classes: int = 20
+) -> dict[str, np.ndarray]:
     """ReLU'd features with a shared low-rank part (correlated channels, as CNN features), a weak
     per-class direction and noise; class frequencies 3–30 %, 5 % of positives difficult."""
     rng = np.random.default_rng(seed)
@@ -90,8 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         data, source = dict(np.load(cache)), f"{cache} (synthetic_voc_features, seed 0)"
     k = args.classes
     tr_l, te_l = data["train_labels"][:, :k], data["test_labels"][:, :k]
-    print(f"features: {source}: train {data['train_x'].shape}, test {data['test_x'].shape}, {k} classes, "
-          f"{len(costs)} costs; machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    print(
+        f"features: {source}: train {data['train_x'].shape}, test {data['test_x'].shape}, {k} classes, "
+        f"{len(costs)} costs; machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    )
 
     names = [f"class{c}" for c in range(k)]
 
@@ -102,20 +112,26 @@ def main(argv: list[str] | None = None) -> None:
 
     # CPU seconds of a single process measure the work itself, whatever else runs on the machine;
     # the parallel run's wall time adds what the cores give.
-    serial, serial_wall, serial_cpu = timed(lambda: run_svms(data["train_x"], tr_l, data["test_x"], te_l, names,
-                                                             costs, jobs=1))
+    serial, serial_wall, serial_cpu = timed(
+        lambda: run_svms(data["train_x"], tr_l, data["test_x"], te_l, names, costs, jobs=1)
+    )
     print(f"ours, 1 process   : {serial_wall:8.1f} s wall {serial_cpu:8.1f} s CPU   mAP {serial.map:.6f}", flush=True)
     ours, ours_wall, _ = timed(lambda: run_svms(data["train_x"], tr_l, data["test_x"], te_l, names, costs, args.jobs))
     print(f"ours, jobs={args.jobs:<3d}    : {ours_wall:8.1f} s wall                 mAP {ours.map:.6f}", flush=True)
     ref_ap, ref_wall, ref_cpu = timed(lambda: reference(data["train_x"], tr_l, data["test_x"], te_l, costs))
     ref_map = 100 * ref_ap.mean()
     print(f"reference         : {ref_wall:8.1f} s wall {ref_cpu:8.1f} s CPU   mAP {ref_map:.6f}")
-    print(f"speed-up: {ref_cpu / serial_cpu:.2f}x in CPU time (1 process), {ref_wall / ours_wall:.2f}x in wall time "
-          f"(jobs={args.jobs}); |mAP difference| {abs(ours.map - ref_map):.2e}, "
-          f"max per-class AP difference {np.abs(100 * ours.test_ap - 100 * ref_ap).max():.2e}")
-    print(f"| {k} classes × {len(costs)} costs | {ref_wall:.1f} s ({ref_cpu:.1f} s CPU) | {serial_wall:.1f} s "
-          f"({serial_cpu:.1f} s CPU) | {ours_wall:.1f} s | {ref_cpu / serial_cpu:.2f}× | {ref_wall / ours_wall:.2f}× | "
-          f"{ref_map:.4f} | {ours.map:.4f} |")
+    print(
+        f"speed-up: {ref_cpu / serial_cpu:.2f}x in CPU time (1 process), {ref_wall / ours_wall:.2f}x in wall time "
+        f"(jobs={args.jobs}); |mAP difference| {abs(ours.map - ref_map):.2e}, "
+        f"max per-class AP difference {np.abs(100 * ours.test_ap - 100 * ref_ap).max():.2e}"
+    )
+    print(
+        f"| {k} classes × {len(costs)} costs | {ref_wall:.1f} s ({ref_cpu:.1f} s CPU) | {serial_wall:.1f} s "
+        f"({serial_cpu:.1f} s CPU) | {ours_wall:.1f} s | {ref_cpu / serial_cpu:.2f}× | {ref_wall / ours_wall:.2f}× | "
+        f"{ref_map:.4f} | {ours.map:.4f} |"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -41,8 +41,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0], epilog=DEBUG_HELP,
-                                   formatter_class=HelpFormatter)
+    return argparse.ArgumentParser(
+        prog=prog, description=doc.split("\n\n")[0], epilog=DEBUG_HELP, formatter_class=HelpFormatter
+    )
 
 
 def crop_value(text: str) -> int | str:
@@ -59,16 +60,28 @@ def crop_value(text: str) -> int | str:
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", required=True, help="checkpoint in any layout the converters read")
-    parser.add_argument("--encoder", default="query", choices=["query", "key"],
-                        help="key: the momentum (teacher) encoder of a two-encoder checkpoint")
+    parser.add_argument(
+        "--encoder",
+        default="query",
+        choices=["query", "key"],
+        help="key: the momentum (teacher) encoder of a two-encoder checkpoint",
+    )
     parser.add_argument("--layout", default="auto", help="force a checkpoint layout (see the converters)")
 
 
 def add_size_args(parser: argparse.ArgumentParser, resize_help: str, crop_help: str) -> None:
-    parser.add_argument("--resize", type=int, default=None,
-                        help=f"{resize_help} (default: {PROTOCOL_RESIZE}, or crop·256/224 with --crop auto)")
-    parser.add_argument("--crop", type=crop_value, default=PROTOCOL_CROP,
-                        help=f"{crop_help}; 'auto': the image size the checkpoint was pretrained at")
+    parser.add_argument(
+        "--resize",
+        type=int,
+        default=None,
+        help=f"{resize_help} (default: {PROTOCOL_RESIZE}, or crop·256/224 with --crop auto)",
+    )
+    parser.add_argument(
+        "--crop",
+        type=crop_value,
+        default=PROTOCOL_CROP,
+        help=f"{crop_help}; 'auto': the image size the checkpoint was pretrained at",
+    )
 
 
 def resolve_size(resize: int | None, crop: int | str, trained_at: int | None) -> tuple[int, int]:
@@ -79,8 +92,11 @@ def resolve_size(resize: int | None, crop: int | str, trained_at: int | None) ->
     it), with the resize scaled as 256/224 scales the protocol's crop."""
     if crop == "auto":
         if trained_at is None:
-            logger.warning("--crop auto: the checkpoint does not record its pretraining image size; "
-                           "evaluating at the protocol's %d", PROTOCOL_CROP)
+            logger.warning(
+                "--crop auto: the checkpoint does not record its pretraining image size; "
+                "evaluating at the protocol's %d",
+                PROTOCOL_CROP,
+            )
             crop = PROTOCOL_CROP
         else:
             crop = trained_at
@@ -91,15 +107,24 @@ def resolve_size(resize: int | None, crop: int | str, trained_at: int | None) ->
     if crop > resize:
         raise UserError(f"--crop {crop} is larger than --resize {resize}; the crop must fit in the resized image")
     if trained_at is not None and max(crop / trained_at, trained_at / crop) > SIZE_MISMATCH_FACTOR:
-        logger.warning("the checkpoint was pretrained at %d px but is evaluated at %d px: pass --crop auto (or "
-                       "--resize %d --crop %d) to evaluate at its own size", trained_at, crop,
-                       round(trained_at * PROTOCOL_RESIZE / PROTOCOL_CROP), trained_at)
+        logger.warning(
+            "the checkpoint was pretrained at %d px but is evaluated at %d px: pass --crop auto (or "
+            "--resize %d --crop %d) to evaluate at its own size",
+            trained_at,
+            crop,
+            round(trained_at * PROTOCOL_RESIZE / PROTOCOL_CROP),
+            trained_at,
+        )
     return resize, crop
 
 
 def add_loader_args(parser: argparse.ArgumentParser, batch_size: int | None, workers: int = 4) -> None:
-    parser.add_argument("--batch-size", type=int, default=batch_size,
-                        help="images per batch" + (" (default: the preset's)" if batch_size is None else ""))
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        help="images per batch" + (" (default: the preset's)" if batch_size is None else ""),
+    )
     parser.add_argument("--workers", type=int, default=workers, help="data loading processes")
 
 
@@ -119,8 +144,9 @@ def progress(items: Iterable[T], total: int, desc: str, unit: str = "batch", eve
         now = time.monotonic()
         if now - last >= every or done == total:
             last = now
-            logger.info("%s: %d/%d %s%s (%.0f s)", desc, done, total, unit, "es" if unit.endswith("ch") else "s",
-                        now - start)
+            logger.info(
+                "%s: %d/%d %s%s (%.0f s)", desc, done, total, unit, "es" if unit.endswith("ch") else "s", now - start
+            )
 
 
 # Messages that repeat with different numbers collapse into one entry of the summary.
@@ -146,8 +172,9 @@ def summarised_warnings(context: str):
     for w in caught:
         record(w.category.__name__, str(w.message))
     for key, n in counts.items():
-        logger.warning("%s: %s%s", context, " ".join(first[key].split()),
-                       f" (and {n - 1} more like it)" if n > 1 else "")
+        logger.warning(
+            "%s: %s%s", context, " ".join(first[key].split()), f" (and {n - 1} more like it)" if n > 1 else ""
+        )
 
 
 class WarningSummary:

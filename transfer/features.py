@@ -56,9 +56,16 @@ class Preprocessing:
 
     def transform(self) -> v2.Compose:
         second = v2.Resize((self.crop, self.crop), antialias=True) if self.mode == "warp" else v2.CenterCrop(self.crop)
-        return v2.Compose([v2.ToImage(), v2.Resize(self.resize, antialias=True), second,
-                           v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-                           v2.ToPureTensor()])
+        return v2.Compose(
+            [
+                v2.ToImage(),
+                v2.Resize(self.resize, antialias=True),
+                second,
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+                v2.ToPureTensor(),
+            ]
+        )
 
     def describe(self) -> dict:
         second = f"resize to {self.crop}x{self.crop}" if self.mode == "warp" else f"center crop {self.crop}"
@@ -98,9 +105,13 @@ class LayerFeatures(nn.Module):
         for name in self.layers:
             fmap = maps[LAYERS[name].node]
             ops = pooling_for(name, fmap.shape[2], fmap.shape[3])
-            out[name] = {"dim": int(pool(name, fmap).shape[1]), "map": list(fmap.shape[1:]),
-                         "pooling": "global average" if ops is None else
-                         {"kernel": list(ops[0]), "stride": list(ops[1]), "pad": list(ops[2])}}
+            out[name] = {
+                "dim": int(pool(name, fmap).shape[1]),
+                "map": list(fmap.shape[1:]),
+                "pooling": "global average"
+                if ops is None
+                else {"kernel": list(ops[0]), "stride": list(ops[1]), "pad": list(ops[2])},
+            }
         return out
 
 
@@ -115,13 +126,20 @@ def default_device() -> torch.device:
 
 
 @torch.no_grad()
-def extract(extractor: LayerFeatures, dataset, batch_size: int = 32, workers: int = 0,
-            device: torch.device | None = None, desc: str = "features") -> dict[str, np.ndarray]:
+def extract(
+    extractor: LayerFeatures,
+    dataset,
+    batch_size: int = 32,
+    workers: int = 0,
+    device: torch.device | None = None,
+    desc: str = "features",
+) -> dict[str, np.ndarray]:
     """{layer: (N, dim) float32} for every image of `dataset` (items (image, label)), in order."""
     device = device or default_device()
     extractor = extractor.to(device).eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
-                        pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        dataset, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=device.type == "cuda"
+    )
     chunks: dict[str, list[np.ndarray]] = {name: [] for name in extractor.layers}
     for images, _ in progress(loader, len(loader), desc):
         for name, feats in extractor(images.to(non_blocking=True, **like(extractor))).items():
@@ -144,11 +162,15 @@ class FeatureCache:
     file, list or transform never reuses stale features; a re-run with the same inputs only reads.
     """
 
-    def __init__(self, root: str | os.PathLike, weights: str | os.PathLike, encoder: str,
-                 preprocessing: Preprocessing) -> None:
+    def __init__(
+        self, root: str | os.PathLike, weights: str | os.PathLike, encoder: str, preprocessing: Preprocessing
+    ) -> None:
         self.root = Path(root)
-        self.identity = {"checkpoint_sha256": file_digest(weights), "encoder": encoder,
-                         "preprocessing": asdict(preprocessing)}
+        self.identity = {
+            "checkpoint_sha256": file_digest(weights),
+            "encoder": encoder,
+            "preprocessing": asdict(preprocessing),
+        }
 
     def _dir(self, dataset) -> Path:
         key = json.dumps({**self.identity, "images": dataset.fingerprint()}, sort_keys=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from contrastive_transfer.cli import UserError, command, ensure_writable_dir
@@ -31,8 +30,15 @@ if TYPE_CHECKING:  # torch is imported where it is used, so that --help does not
 logger = logging.getLogger(__name__)
 
 
-def knn_scores(query: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int,
-               k: int = 200, t: float = 0.07, chunk: int = 1024) -> torch.Tensor:
+def knn_scores(
+    query: torch.Tensor,
+    bank: torch.Tensor,
+    bank_labels: torch.Tensor,
+    num_classes: int,
+    k: int = 200,
+    t: float = 0.07,
+    chunk: int = 1024,
+) -> torch.Tensor:
     """Class votes (Nq, C) of L2-normalized queries (Nq, D) against a normalized bank (Nb, D):
     score[q, c] = Σ_{j ∈ topk(q)} [y_j = c] · exp(⟨q, b_j⟩ / t). Queries go in chunks so the
     similarity matrix stays chunk × Nb."""
@@ -55,8 +61,15 @@ def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> dict
     return {f"top{k}": 100.0 * hit[:, :k].any(dim=1).float().mean().item() for k in ks}
 
 
-def knn_evaluate(train_feats: np.ndarray, train_labels, val_feats: np.ndarray, val_labels, num_classes: int,
-                 k: int = 200, t: float = 0.07) -> dict[str, float]:
+def knn_evaluate(
+    train_feats: np.ndarray,
+    train_labels,
+    val_feats: np.ndarray,
+    val_labels,
+    num_classes: int,
+    k: int = 200,
+    t: float = 0.07,
+) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
@@ -107,16 +120,28 @@ def main(argv: list[str] | None = None) -> None:
     bank = cache.get(make, train, "train", ["res5avg"], **kwargs)["res5avg"]
     query = cache.get(make, val, "val", ["res5avg"], **kwargs)["res5avg"]
     acc = knn_evaluate(bank, train.labels, query, val.labels, len(train.classes), args.k, args.t)
-    metrics = {"protocol": "knn", "checkpoint": str(args.weights), "encoder": args.encoder,
-               "backbone": {"arch": backbone.arch, "stem": backbone.stem, "layout": backbone.layout,
-                            "pretraining_image_size": backbone.image_size},
-               "feature": {"layer": "res5avg", "dim": int(bank.shape[1]), "normalization": "L2"},
-               "preprocessing": prep.describe(), "k": args.k, "t": args.t,
-               "train": {"dir": str(args.train_dir), "images": len(train)},
-               "val": {"dir": str(args.val_dir), "images": len(val)}, **acc}
+    metrics = {
+        "protocol": "knn",
+        "checkpoint": str(args.weights),
+        "encoder": args.encoder,
+        "backbone": {
+            "arch": backbone.arch,
+            "stem": backbone.stem,
+            "layout": backbone.layout,
+            "pretraining_image_size": backbone.image_size,
+        },
+        "feature": {"layer": "res5avg", "dim": int(bank.shape[1]), "normalization": "L2"},
+        "preprocessing": prep.describe(),
+        "k": args.k,
+        "t": args.t,
+        "train": {"dir": str(args.train_dir), "images": len(train)},
+        "val": {"dir": str(args.val_dir), "images": len(val)},
+        **acc,
+    }
     atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
-    logger.info("kNN (k=%d, t=%g, %d-d): top-1 %.2f, top-5 %.2f", args.k, args.t, bank.shape[1],
-                acc["top1"], acc["top5"])
+    logger.info(
+        "kNN (k=%d, t=%g, %d-d): top-1 %.2f, top-5 %.2f", args.k, args.t, bank.shape[1], acc["top1"], acc["top5"]
+    )
     print(json.dumps(acc))
 
 

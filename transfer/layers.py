@@ -57,8 +57,10 @@ def pooling_for(layer: str, height: int, width: int) -> tuple[tuple[int, int], t
         pad = round(spec.ref_pad * size / spec.ref_map)
         kernel = size + 2 * pad - (spec.grid - 1) * stride
         if kernel < 1 or size < spec.grid:
-            raise LayerError(f"layer {layer}: a {height}×{width} map is too small for its {spec.grid}×{spec.grid} "
-                             "pooling grid; use larger images (--resize/--crop)")
+            raise LayerError(
+                f"layer {layer}: a {height}×{width} map is too small for its {spec.grid}×{spec.grid} "
+                "pooling grid; use larger images (--resize/--crop)"
+            )
         pad = min(pad, kernel // 2)  # AvgPool2d's limit; only matters far from the reference size
         out.append((kernel, stride, pad))
     (kh, sh, ph), (kw, sw, pw) = out

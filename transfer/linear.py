@@ -73,8 +73,11 @@ def parser():
     p = eval_cli.make_parser("python -m transfer.linear", __doc__)
     eval_cli.add_checkpoint_args(p)
     p.add_argument("--dataset", required=True, choices=["imagenet", "places205"])
-    p.add_argument("--data-root", required=True, help="imagenet: train/ and val/ ImageFolders; "
-                   "places205: trainvalsplit_places205/ and data/vision/...")
+    p.add_argument(
+        "--data-root",
+        required=True,
+        help="imagenet: train/ and val/ ImageFolders; places205: trainvalsplit_places205/ and data/vision/...",
+    )
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--output-dir", required=True, help="metrics.json and checkpoint_last.pth go here")
     p.add_argument("--resume", action="store_true", help=f"continue from OUT/{CHECKPOINT}")

@@ -17,8 +17,16 @@ from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
 from transfer import eval_cli
-from transfer.features import (IMAGENET_MEAN, IMAGENET_STD, LayerFeatures, Preprocessing, default_device,
-                               file_digest, like, load_model)
+from transfer.features import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    LayerFeatures,
+    Preprocessing,
+    default_device,
+    file_digest,
+    like,
+    load_model,
+)
 from transfer.knn import topk_accuracy
 from transfer.linear import CHECKPOINT, PRESETS
 
@@ -48,9 +56,16 @@ def build_head(dim: int, channels: int, num_classes: int, with_bn: bool) -> nn.S
 
 
 def train_transform(crop: int) -> v2.Compose:
-    return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip(),
-                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-                       v2.ToPureTensor()])
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            v2.RandomResizedCrop(crop, antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            v2.ToPureTensor(),
+        ]
+    )
 
 
 def read_dataset(name: str, root: str):
@@ -90,8 +105,10 @@ def check_divergence(loss: float, first: float | None, lr: float) -> float:
     """The first loss of the run (``loss`` itself when ``first`` is None); stops the probe when the
     loss is non-finite or has grown past DIVERGENCE_FACTOR × the first one."""
     if not math.isfinite(loss) or (first is not None and loss > DIVERGENCE_FACTOR * max(first, 1e-3)):
-        raise UserError(f"the linear probe diverged (loss {loss:.4g}, first loss {first if first is not None else loss:.4g}) "
-                        f"at lr {lr:g}: lower it with --lr (e.g. --lr {lr / 10:g})")
+        raise UserError(
+            f"the linear probe diverged (loss {loss:.4g}, first loss {first if first is not None else loss:.4g}) "
+            f"at lr {lr:g}: lower it with --lr (e.g. --lr {lr / 10:g})"
+        )
     return loss if first is None else first
 
 
@@ -99,8 +116,12 @@ def run(args) -> dict:
     preset = PRESETS[args.preset]
     if args.epochs:
         preset = preset.with_epochs(args.epochs)
-    preset = replace(preset, lr=args.lr or preset.lr, batch_size=args.batch_size or preset.batch_size,
-                     layer=args.layer or preset.layer)
+    preset = replace(
+        preset,
+        lr=args.lr or preset.lr,
+        batch_size=args.batch_size or preset.batch_size,
+        layer=args.layer or preset.layer,
+    )
     out = Path(args.output_dir)
     ckpt_path = out / CHECKPOINT
     if ckpt_path.exists() and not args.resume:
@@ -119,18 +140,33 @@ def run(args) -> dict:
     dim, channels = described["dim"], described["map"][0]
     torch.manual_seed(args.seed)  # the fc initialization
     head = build_head(dim, channels, num_classes, preset.head_bn).to(**like(features))
-    optimizer = torch.optim.SGD(head.parameters(), lr=preset.lr, momentum=preset.momentum,
-                                nesterov=preset.nesterov, weight_decay=preset.weight_decay)
-    identity = {"checkpoint_sha256": file_digest(args.weights), "encoder": args.encoder, "dataset": args.dataset,
-                "data_root": str(args.data_root), "preset": args.preset, "settings": asdict(preset),
-                "resize": resize, "crop": crop, "seed": args.seed}
+    optimizer = torch.optim.SGD(
+        head.parameters(),
+        lr=preset.lr,
+        momentum=preset.momentum,
+        nesterov=preset.nesterov,
+        weight_decay=preset.weight_decay,
+    )
+    identity = {
+        "checkpoint_sha256": file_digest(args.weights),
+        "encoder": args.encoder,
+        "dataset": args.dataset,
+        "data_root": str(args.data_root),
+        "preset": args.preset,
+        "settings": asdict(preset),
+        "resize": resize,
+        "crop": crop,
+        "seed": args.seed,
+    }
     history, start, first_loss = [], 0, None
     if args.resume and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         if state["identity"] != identity:
             diff = sorted(k for k in identity if state["identity"].get(k) != identity[k])
-            raise UserError(f"{ckpt_path} was written by another run (differs in: {', '.join(diff)}); "
-                             "resume with the same options or choose another --output-dir")
+            raise UserError(
+                f"{ckpt_path} was written by another run (differs in: {', '.join(diff)}); "
+                "resume with the same options or choose another --output-dir"
+            )
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         history, start = state["history"], state["epoch"]
@@ -145,8 +181,14 @@ def run(args) -> dict:
         # Seeded per epoch: an interrupted run resumed at an epoch boundary repeats it exactly.
         torch.manual_seed(args.seed + epoch)
         order = torch.Generator().manual_seed(args.seed + epoch)
-        loader = DataLoader(train, batch_size=preset.batch_size, shuffle=True, generator=order,
-                            num_workers=args.workers, drop_last=len(train) > preset.batch_size)
+        loader = DataLoader(
+            train,
+            batch_size=preset.batch_size,
+            shuffle=True,
+            generator=order,
+            num_workers=args.workers,
+            drop_last=len(train) > preset.batch_size,
+        )
         head.train()
         total, count = 0.0, 0
         for x, y in eval_cli.progress(loader, len(loader), f"linear probe, epoch {epoch + 1}/{preset.epochs}"):
@@ -159,29 +201,59 @@ def run(args) -> dict:
             optimizer.step()
             total, count = total + loss.item() * len(y), count + len(y)
         acc = evaluate(features, preset.layer, head, val_loader, device)
-        history.append({"epoch": epoch + 1, "lr": lr, "train_loss": total / max(count, 1), **acc,
-                        "seconds": time.time() - t0})
+        history.append(
+            {"epoch": epoch + 1, "lr": lr, "train_loss": total / max(count, 1), **acc, "seconds": time.time() - t0}
+        )
         out.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save({"identity": identity, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                           "epoch": epoch + 1, "history": history}, ckpt_path)
-        logger.info("epoch %d/%d lr %.4g loss %.4f top-1 %.2f top-5 %.2f", epoch + 1, preset.epochs, lr,
-                    history[-1]["train_loss"], acc["top1"], acc["top5"])
+        atomic_torch_save(
+            {
+                "identity": identity,
+                "head": head.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": epoch + 1,
+                "history": history,
+            },
+            ckpt_path,
+        )
+        logger.info(
+            "epoch %d/%d lr %.4g loss %.4f top-1 %.2f top-5 %.2f",
+            epoch + 1,
+            preset.epochs,
+            lr,
+            history[-1]["train_loss"],
+            acc["top1"],
+            acc["top5"],
+        )
 
     changed = backbone_changes(model, reference)
     if changed:
         raise RuntimeError(f"the frozen backbone changed during the linear probe: {', '.join(changed[:5])}")
     best = max(history, key=lambda h: h["top1"])
-    return {"protocol": "linear", "dataset": args.dataset, "preset": args.preset, "checkpoint": str(args.weights),
-            "encoder": args.encoder,
-            "backbone": {"arch": backbone.arch, "stem": backbone.stem, "layout": backbone.layout,
-                         "pretraining_image_size": backbone.image_size},
-            "backbone_unchanged": True,
-            "feature": {"layer": preset.layer, **described, "head": "BN(no affine) + fc" if preset.head_bn else "fc"},
-            "settings": asdict(preset),
-            "preprocessing": {"train": f"RandomResizedCrop {crop} (scale 0.08-1) + horizontal flip",
-                              "val": val_prep.describe()},
-            "train": {"images": len(train)}, "val": {"images": len(val)}, "num_classes": num_classes,
-            "top1": history[-1]["top1"], "top5": history[-1]["top5"],
-            "best_top1": best["top1"], "best_epoch": best["epoch"], "history": history}
-
-
+    return {
+        "protocol": "linear",
+        "dataset": args.dataset,
+        "preset": args.preset,
+        "checkpoint": str(args.weights),
+        "encoder": args.encoder,
+        "backbone": {
+            "arch": backbone.arch,
+            "stem": backbone.stem,
+            "layout": backbone.layout,
+            "pretraining_image_size": backbone.image_size,
+        },
+        "backbone_unchanged": True,
+        "feature": {"layer": preset.layer, **described, "head": "BN(no affine) + fc" if preset.head_bn else "fc"},
+        "settings": asdict(preset),
+        "preprocessing": {
+            "train": f"RandomResizedCrop {crop} (scale 0.08-1) + horizontal flip",
+            "val": val_prep.describe(),
+        },
+        "train": {"images": len(train)},
+        "val": {"images": len(val)},
+        "num_classes": num_classes,
+        "top1": history[-1]["top1"],
+        "top5": history[-1]["top5"],
+        "best_top1": best["top1"],
+        "best_epoch": best["epoch"],
+        "history": history,
+    }

@@ -32,7 +32,6 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -52,8 +51,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_COSTS = (0.01, 0.1, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 50.0, 100.0, 1000.0)
 CV_FOLDS = 3
 SVM_SEED = 0  # liblinear's coordinate order; the FAIR tools leave it to numpy's global RNG
-SVM_PARAMS = dict(class_weight={1: 2, -1: 1}, intercept_scaling=1.0, penalty="l2", loss="squared_hinge",
-                  dual=True, tol=1e-4, max_iter=2000)
+SVM_PARAMS = dict(
+    class_weight={1: 2, -1: 1},
+    intercept_scaling=1.0,
+    penalty="l2",
+    loss="squared_hinge",
+    dual=True,
+    tol=1e-4,
+    max_iter=2000,
+)
 # VOC2007 sizes, for the refusal message and the count check on the real data set.
 VOC07_TRAINVAL_IMAGES, VOC07_TEST_IMAGES = 5011, 4952
 
@@ -110,10 +116,13 @@ def check_disjoint(train_ids: list[str], test_ids: list[str], train_split: str, 
         raise UserError(
             f"test split {test_split!r} shares {len(shared)} of its {len(test_ids)} images with the training split "
             f"{train_split!r}: the SVMs would be scored on their own training images; test on VOC2007 'test' "
-            f"({VOC07_TEST_IMAGES} images)")
+            f"({VOC07_TEST_IMAGES} images)"
+        )
     if len(train_ids) == VOC07_TRAINVAL_IMAGES and len(test_ids) != VOC07_TEST_IMAGES:
-        raise UserError(f"training on VOC2007 trainval ({len(train_ids)} images) but the test split {test_split!r} "
-                         f"has {len(test_ids)} images, not the {VOC07_TEST_IMAGES} of VOC2007 test")
+        raise UserError(
+            f"training on VOC2007 trainval ({len(train_ids)} images) but the test split {test_split!r} "
+            f"has {len(test_ids)} images, not the {VOC07_TEST_IMAGES} of VOC2007 test"
+        )
 
 
 def _quiet_svm():
@@ -150,10 +159,18 @@ class SvmResult:
         return float(100.0 * self.test_ap.mean())
 
     def to_json(self) -> dict:
-        return {"mAP": self.map, "costs": self.costs,
-                "per_class": {c: {"ap": 100.0 * float(self.test_ap[i]), "cost": float(self.chosen_cost[i]),
-                                  "cv_ap": [float(v) for v in self.cv_ap[i]]}
-                              for i, c in enumerate(self.classes)}}
+        return {
+            "mAP": self.map,
+            "costs": self.costs,
+            "per_class": {
+                c: {
+                    "ap": 100.0 * float(self.test_ap[i]),
+                    "cost": float(self.chosen_cost[i]),
+                    "cv_ap": [float(v) for v in self.cv_ap[i]],
+                }
+                for i, c in enumerate(self.classes)
+            },
+        }
 
 
 WarningSink = Callable[[list[tuple[str, str]]], None]
@@ -189,9 +206,17 @@ def _keyed(key, fn, *args):
     return key, result, [(w.category.__name__, str(w.message)) for w in caught]
 
 
-def run_svms(train_x: np.ndarray, train_labels: np.ndarray, test_x: np.ndarray, test_labels: np.ndarray,
-             classes: list[str], costs=DEFAULT_COSTS, jobs: int = -1, seed: int = SVM_SEED,
-             on_warnings: WarningSink = _rewarn) -> SvmResult:
+def run_svms(
+    train_x: np.ndarray,
+    train_labels: np.ndarray,
+    test_x: np.ndarray,
+    test_labels: np.ndarray,
+    classes: list[str],
+    costs=DEFAULT_COSTS,
+    jobs: int = -1,
+    seed: int = SVM_SEED,
+    on_warnings: WarningSink = _rewarn,
+) -> SvmResult:
     """The protocol on raw features (normalized here) and VOC label matrices (1, -1, 0)."""
     costs = [float(c) for c in costs]
     # CSR is liblinear's own input layout: converting once here spares every fit a dense → sparse
@@ -201,15 +226,29 @@ def run_svms(train_x: np.ndarray, train_labels: np.ndarray, test_x: np.ndarray, 
     ytr = training_targets(train_labels)
     few = [f"{name} ({(ytr[:, c] == 1).sum()})" for c, name in enumerate(classes) if (ytr[:, c] == 1).sum() < CV_FOLDS]
     if few:  # the reference runs anyway; so do we, but say so once
-        logger.warning("%d-fold CV: %d classes have fewer than %d positive training images, so some folds have "
-                       "none and score AP 0, as in cross_val_score: %s", CV_FOLDS, len(few), CV_FOLDS, ", ".join(few))
+        logger.warning(
+            "%d-fold CV: %d classes have fewer than %d positive training images, so some folds have "
+            "none and score AP 0, as in cross_val_score: %s",
+            CV_FOLDS,
+            len(few),
+            CV_FOLDS,
+            ", ".join(few),
+        )
     n_classes = len(classes)
-    cv = _run([((c, j), cv_score, (xtr, ytr[:, c], cost, seed))
-               for c in range(n_classes) for j, cost in enumerate(costs)], jobs, "SVM cross-validation", on_warnings)
+    cv = _run(
+        [((c, j), cv_score, (xtr, ytr[:, c], cost, seed)) for c in range(n_classes) for j, cost in enumerate(costs)],
+        jobs,
+        "SVM cross-validation",
+        on_warnings,
+    )
     cv_ap = np.array([folds.mean() for folds in cv]).reshape(n_classes, len(costs))
     chosen = np.array([costs[int(np.argmax(row))] for row in cv_ap])
-    scores = _run([(c, fit_scores, (xtr, ytr[:, c], chosen[c], seed, xte)) for c in range(n_classes)],
-                  jobs, "SVM refit", on_warnings)
+    scores = _run(
+        [(c, fit_scores, (xtr, ytr[:, c], chosen[c], seed, xte)) for c in range(n_classes)],
+        jobs,
+        "SVM refit",
+        on_warnings,
+    )
     test_ap = np.empty(n_classes)
     for c in range(n_classes):
         keep, y = scoring_targets(test_labels, c)
@@ -234,8 +273,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--voc-root", required=True, help="VOC2007 folder (ImageSets/Main, JPEGImages)")
     p.add_argument("--output-dir", required=True, help="metrics.json and the feature cache go here")
     p.add_argument("--layers", default="res5avg", help=f"comma-separated, from {', '.join(LAYERS)}")
-    p.add_argument("--costs", type=_parse_costs, default=",".join(f"{c:g}" for c in DEFAULT_COSTS),
-                   help="comma-separated SVM costs C, searched per class by 3-fold CV")
+    p.add_argument(
+        "--costs",
+        type=_parse_costs,
+        default=",".join(f"{c:g}" for c in DEFAULT_COSTS),
+        help="comma-separated SVM costs C, searched per class by 3-fold CV",
+    )
     p.add_argument("--train-split", default="trainval", help="split the SVMs are trained and cross-validated on")
     p.add_argument("--test-split", default="test", help="split the APs are measured on")
     eval_cli.add_size_args(p, "shorter side before the warp", "network input side (warp, no crop)")
@@ -284,20 +327,42 @@ def main(argv: list[str] | None = None) -> None:
         test_feats = cache.get(make, test.images, args.test_split, layers, **kwargs)
 
         described = LayerFeatures(model, layers).describe(crop)
-        metrics = {"protocol": "voc07_svm", "checkpoint": str(args.weights), "encoder": args.encoder,
-                   "backbone": {"arch": backbone.arch, "stem": backbone.stem, "layout": backbone.layout,
-                                "pretraining_image_size": backbone.image_size},
-                   "preprocessing": prep.describe(),
-                   "svm": {**{k: v for k, v in SVM_PARAMS.items() if k != "class_weight"},
-                           "class_weight": "{1: 2, -1: 1}", "cv_folds": CV_FOLDS, "cv_scoring": "average_precision",
-                           "seed": SVM_SEED, "features": "L2-normalized, float64", "test_ap": "all-point interpolated"},
-                   "train": {"split": args.train_split, "images": len(train.ids)},
-                   "test": {"split": args.test_split, "images": len(test.ids)},
-                   "layers": {}}
+        metrics = {
+            "protocol": "voc07_svm",
+            "checkpoint": str(args.weights),
+            "encoder": args.encoder,
+            "backbone": {
+                "arch": backbone.arch,
+                "stem": backbone.stem,
+                "layout": backbone.layout,
+                "pretraining_image_size": backbone.image_size,
+            },
+            "preprocessing": prep.describe(),
+            "svm": {
+                **{k: v for k, v in SVM_PARAMS.items() if k != "class_weight"},
+                "class_weight": "{1: 2, -1: 1}",
+                "cv_folds": CV_FOLDS,
+                "cv_scoring": "average_precision",
+                "seed": SVM_SEED,
+                "features": "L2-normalized, float64",
+                "test_ap": "all-point interpolated",
+            },
+            "train": {"split": args.train_split, "images": len(train.ids)},
+            "test": {"split": args.test_split, "images": len(test.ids)},
+            "layers": {},
+        }
         for name in layers:
             start = time.time()
-            result = run_svms(train_feats[name], train.labels, test_feats[name], test.labels, train.classes,
-                              costs, args.jobs, on_warnings=caught.add)
+            result = run_svms(
+                train_feats[name],
+                train.labels,
+                test_feats[name],
+                test.labels,
+                train.classes,
+                costs,
+                args.jobs,
+                on_warnings=caught.add,
+            )
             metrics["layers"][name] = {**described[name], **result.to_json(), "svm_seconds": time.time() - start}
             logger.info("%s (%d-d): VOC07 SVM mAP %.2f", name, described[name]["dim"], result.map)
             atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))

@@ -22,17 +22,22 @@ COMMANDS = {
     "mi-toy": ("mi_toy", "EqCo appendix C / Table 9: InfoNCE vs EqCo MI estimates on correlated Gaussians across K"),
     "npc": ("npc", "DCL Figure 1: the NPC multiplier q_B of a checkpoint over a dataset for several batch sizes"),
     "curves": ("curves", "loss, lr, MI bound, gradient-norm and kNN curves of a run from RUN_DIR/metrics.jsonl"),
-    "negatives": ("negatives", "AdCo Figure 2: 2-D projection of the MoCo queue / AdCo adversaries next to recent "
-                  "queries"),
+    "negatives": (
+        "negatives",
+        "AdCo Figure 2: 2-D projection of the MoCo queue / AdCo adversaries next to recent queries",
+    ),
 }
 
 
 @command
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m pretrain.analysis", description=__doc__.splitlines()[2],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[4:]) + "\n" + DEBUG_HELP)
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain.analysis",
+        description=__doc__.splitlines()[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[4:]) + "\n" + DEBUG_HELP,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((arg for arg in argv if arg in COMMANDS), None)
     modules = {}

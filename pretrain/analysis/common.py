@@ -30,6 +30,7 @@ class AnalysisError(UserError, ValueError):
 
 # ------------------------------------------------------------------------------------ writing
 
+
 def write_text(path: Path, text: str) -> Path:
     atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
@@ -71,6 +72,7 @@ def pyplot():
 
 # ------------------------------------------------------------------------------------ checkpoints
 
+
 def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
@@ -101,8 +103,9 @@ def rebuild_method(state: dict, path: str | os.PathLike) -> tuple[nn.Module, Any
     try:
         method.load_state_dict(state["method"])
     except RuntimeError as e:
-        raise AnalysisError(f"checkpoint {path}: its method state does not fit {name} "
-                            f"({str(e).strip().splitlines()[0]})") from None
+        raise AnalysisError(
+            f"checkpoint {path}: its method state does not fit {name} ({str(e).strip().splitlines()[0]})"
+        ) from None
     return method, cfg
 
 

@@ -18,8 +18,23 @@ from pathlib import Path
 from pretrain.analysis.common import AnalysisError, pyplot, save_figure, write_csv
 
 # The engine's columns in a readable order; anything else a method logs follows, sorted.
-KNOWN_COLUMNS = ("step", "epoch", "lr", "loss", "infonce", "mi_bound", "npc_mean", "npc_cv", "pos_cos", "neg_cos",
-                 "grad_q_norm_mean", "grad_q_norm_std", "knn_top1", "data_time", "step_time")
+KNOWN_COLUMNS = (
+    "step",
+    "epoch",
+    "lr",
+    "loss",
+    "infonce",
+    "mi_bound",
+    "npc_mean",
+    "npc_cv",
+    "pos_cos",
+    "neg_cos",
+    "grad_q_norm_mean",
+    "grad_q_norm_std",
+    "knn_top1",
+    "data_time",
+    "step_time",
+)
 
 # (panel title, y label, keys drawn as lines); a panel is drawn when one of its keys was logged.
 PANELS = (
@@ -59,8 +74,7 @@ def columns_of(rows: list[dict]) -> list[str]:
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pairs = [(r["step"], r[key]) for r in rows
-             if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    pairs = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -89,7 +103,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title)
     fig.tight_layout()
@@ -106,6 +120,7 @@ def run(run_dir: Path, out_dir: Path | None = None) -> dict[str, Path]:
 
 
 # ------------------------------------------------------------------------------------ command line
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a pretraining output folder (train.output_dir)")

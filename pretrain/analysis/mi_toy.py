@@ -131,8 +131,9 @@ def run_k(cfg: ToyConfig, k: int, progress: tqdm | None = None) -> list[dict]:
     grid = [(mi, loss) for mi in cfg.true_mi for loss in LOSSES]
     device = torch.device(cfg.device)
     rho = torch.tensor([correlation(mi, cfg.dim) for mi, _ in grid], device=device)
-    margins = torch.tensor([eqco_margin(1.0, cfg.alpha, k - 1) if loss == "eqco" else 0.0 for _, loss in grid],
-                           device=device)
+    margins = torch.tensor(
+        [eqco_margin(1.0, cfg.alpha, k - 1) if loss == "eqco" else 0.0 for _, loss in grid], device=device
+    )
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 100003 + k)
     critics = StackedCritics(len(grid), cfg, cfg.seed * 100003 + k)
     optimizer = torch.optim.Adam(critics.parameters(), lr=cfg.lr)
@@ -153,12 +154,16 @@ def run_k(cfg: ToyConfig, k: int, progress: tqdm | None = None) -> list[dict]:
     for (mi, loss_name), loss_value in zip(grid, mean_loss):
         n_equivalent = cfg.alpha if loss_name == "eqco" else k - 1
         paper = PAPER_TABLE9.get(mi, {}).get(loss_name)
-        rows.append({
-            "true_mi": mi, "k": k, "loss": loss_name,
-            "estimate": mi_lower_bound(loss_value, n_equivalent),
-            "ceiling": math.log1p(n_equivalent),  # the estimate's maximum (loss → 0)
-            "paper": paper[PAPER_K.index(k)] if paper and k in PAPER_K else None,
-        })
+        rows.append(
+            {
+                "true_mi": mi,
+                "k": k,
+                "loss": loss_name,
+                "estimate": mi_lower_bound(loss_value, n_equivalent),
+                "ceiling": math.log1p(n_equivalent),  # the estimate's maximum (loss → 0)
+                "paper": paper[PAPER_K.index(k)] if paper and k in PAPER_K else None,
+            }
+        )
     return rows
 
 
@@ -194,7 +199,9 @@ def plot(rows: list[dict], cfg: ToyConfig, path: Path) -> Path:
     colors = plt.cm.viridis([i / max(1, len(cfg.true_mi) - 1) for i in range(len(cfg.true_mi))])
     for ax, loss_name in zip(axes, LOSSES):
         for mi, color in zip(cfg.true_mi, colors):
-            mine = sorted((r["k"], r["estimate"], r["paper"]) for r in rows if r["true_mi"] == mi and r["loss"] == loss_name)
+            mine = sorted(
+                (r["k"], r["estimate"], r["paper"]) for r in rows if r["true_mi"] == mi and r["loss"] == loss_name
+            )
             ax.plot([m[0] for m in mine], [m[1] for m in mine], "o-", color=color, label=f"true MI {mi:g}")
             paper = [(m[0], m[2]) for m in mine if m[2] is not None]
             if paper:
@@ -223,8 +230,9 @@ def run(cfg: ToyConfig, out_dir: Path) -> dict:
     if not cfg.true_mi or min(cfg.true_mi) <= 0:
         raise AnalysisError(f"--mi {list(cfg.true_mi)}: expected positive true MI values (nats)")
     if cfg.alpha <= 0 or cfg.steps < 1 or cfg.eval_batches < 1:
-        raise AnalysisError(f"alpha={cfg.alpha}, steps={cfg.steps}, eval_batches={cfg.eval_batches}: "
-                            "expected positive values")
+        raise AnalysisError(
+            f"alpha={cfg.alpha}, steps={cfg.steps}, eval_batches={cfg.eval_batches}: expected positive values"
+        )
     start = time.perf_counter()
     rows = []
     with tqdm(total=cfg.steps * len(cfg.ks), desc="mi-toy", unit="step", dynamic_ncols=True) as bar:
@@ -247,10 +255,14 @@ def run(cfg: ToyConfig, out_dir: Path) -> dict:
 
 # ------------------------------------------------------------------------------------ command line
 
+
 def add_arguments(parser) -> None:
     d = ToyConfig()
-    parser.add_argument("--quick", action="store_true",
-                        help=f"small grid for tests and smoke runs: {QUICK} (explicit options still win)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"small grid for tests and smoke runs: {QUICK} (explicit options still win)",
+    )
     parser.add_argument("--mi", type=float, nargs="+", help=f"true MI values in nats (default {list(d.true_mi)})")
     parser.add_argument("--k", type=int, nargs="+", help=f"pairs per batch K (default {list(d.ks)})")
     parser.add_argument("--alpha", type=float, default=d.alpha, help="EqCo's α (default %(default)s)")
@@ -258,8 +270,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-batches", type=int, help=f"evaluation batches (default {d.eval_batches})")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--device", default=d.device, help="cpu | cuda (default %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("outputs/analysis/mi_toy"),
-                        help="output folder for mi_toy.{csv,json,png} (default %(default)s)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("outputs/analysis/mi_toy"),
+        help="output folder for mi_toy.{csv,json,png} (default %(default)s)",
+    )
 
 
 def cli(args) -> None:
@@ -271,6 +287,8 @@ def cli(args) -> None:
     summary = run(cfg, args.out)
     print(summary["table"])
     spread = summary["spread_across_k"]
-    print(f"std of the estimate across K, mean over true MIs: InfoNCE {spread['infonce']:.3f}, "
-          f"EqCo {spread['eqco']:.3f} nats ({summary['seconds']:.0f} s)")
+    print(
+        f"std of the estimate across K, mean over true MIs: InfoNCE {spread['infonce']:.3f}, "
+        f"EqCo {spread['eqco']:.3f} nats ({summary['seconds']:.0f} s)"
+    )
     print(f"wrote {args.out}/mi_toy.csv, mi_toy.json, mi_toy.png")

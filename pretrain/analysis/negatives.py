@@ -25,8 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
-from pretrain.analysis.common import (AnalysisError, embed, is_training_checkpoint, load_checkpoint, pyplot,
-                                      query_encoder, rebuild_method, save_figure, write_csv, write_json)
+from pretrain.analysis.common import (
+    AnalysisError,
+    embed,
+    is_training_checkpoint,
+    load_checkpoint,
+    pyplot,
+    query_encoder,
+    rebuild_method,
+    save_figure,
+    write_csv,
+    write_json,
+)
 from pretrain.data import ImageDataset, collate
 
 # state_dict key of the method -> what it is. Each holds d×K negatives, one per column.
@@ -45,13 +55,16 @@ def find_negatives(method_state: dict, path: Path) -> tuple[str, torch.Tensor]:
             if bank.dim() != 2:
                 raise AnalysisError(f"{path}: method state {key!r} has shape {tuple(bank.shape)}, expected (d, K)")
             return key, F.normalize(bank.float().T, dim=1)
-    raise AnalysisError(f"{path}: no stored negatives in the method state (expected one of {list(NEGATIVE_BANKS)}; "
-                        "SimCLR-style methods keep none)")
+    raise AnalysisError(
+        f"{path}: no stored negatives in the method state (expected one of {list(NEGATIVE_BANKS)}; "
+        "SimCLR-style methods keep none)"
+    )
 
 
 @torch.no_grad()
-def embed_queries(encoder: torch.nn.Module, views, root: str, n: int, batch_size: int,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def embed_queries(
+    encoder: torch.nn.Module, views, root: str, n: int, batch_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(n', d) normalized queries of n' = ⌊n/batch⌋·batch images, train-mode BN per batch, and the
     minibatch index of each."""
     dataset = ImageDataset(root, views[:1], seed=seed)
@@ -60,8 +73,10 @@ def embed_queries(encoder: torch.nn.Module, views, root: str, n: int, batch_size
         raise AnalysisError(f"{root} has {len(dataset)} images, fewer than one batch of {batch_size}")
     keep = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:n]
     encoder.train()  # the statistics the loss saw: this batch's (a throwaway copy is updated)
-    queries = [embed(encoder, x, batch_size)
-               for (x,), _, _ in DataLoader(Subset(dataset, keep.tolist()), batch_size=batch_size, collate_fn=collate)]
+    queries = [
+        embed(encoder, x, batch_size)
+        for (x,), _, _ in DataLoader(Subset(dataset, keep.tolist()), batch_size=batch_size, collate_fn=collate)
+    ]
     return torch.cat(queries), torch.arange(n) // batch_size
 
 
@@ -104,27 +119,40 @@ def plot(xy, n_neg: int, batch_of_query: torch.Tensor, title: str, label: str, p
     return save_figure(fig, path)
 
 
-def run(run_dir: Path, out_dir: Path | None = None, checkpoint: Path | None = None, data: str | None = None,
-        num_queries: int | None = None, projection: str = "pca", max_negatives: int = 8192, seed: int = 0) -> dict:
+def run(
+    run_dir: Path,
+    out_dir: Path | None = None,
+    checkpoint: Path | None = None,
+    data: str | None = None,
+    num_queries: int | None = None,
+    projection: str = "pca",
+    max_negatives: int = 8192,
+    seed: int = 0,
+) -> dict:
     run_dir = Path(run_dir)
     checkpoint = Path(checkpoint) if checkpoint is not None else run_dir / "checkpoint_last.pth"
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "analysis"
     if projection not in PROJECTIONS:
         raise AnalysisError(f"--projection {projection!r}: expected one of {list(PROJECTIONS)}")
     if not checkpoint.is_file():
-        raise AnalysisError(f"{checkpoint} does not exist: negatives needs the training checkpoint (the queue or "
-                            "adversaries live there; checkpoint_final.pth holds only the backbone)")
+        raise AnalysisError(
+            f"{checkpoint} does not exist: negatives needs the training checkpoint (the queue or "
+            "adversaries live there; checkpoint_final.pth holds only the backbone)"
+        )
     state = load_checkpoint(checkpoint)
     if not is_training_checkpoint(state):
-        raise AnalysisError(f"{checkpoint} is not a training checkpoint (expected the keys method and config, "
-                            "as in checkpoint_last.pth)")
+        raise AnalysisError(
+            f"{checkpoint} is not a training checkpoint (expected the keys method and config, "
+            "as in checkpoint_last.pth)"
+        )
     key, negatives = find_negatives(state["method"], checkpoint)
     method, cfg = rebuild_method(state, checkpoint)
     batch_size = int(cfg.train.batch_size)
     num_queries = num_queries or 6 * batch_size
     data = data or cfg.data.root
-    queries, batch_of_query = embed_queries(query_encoder(method), type(method).view_transforms(cfg), data,
-                                            num_queries, batch_size, seed)
+    queries, batch_of_query = embed_queries(
+        query_encoder(method), type(method).view_transforms(cfg), data, num_queries, batch_size, seed
+    )
     if queries.shape[1] != negatives.shape[1]:
         raise AnalysisError(f"{checkpoint}: queries have {queries.shape[1]} dimensions, {key!r} {negatives.shape[1]}")
 
@@ -136,47 +164,81 @@ def run(run_dir: Path, out_dir: Path | None = None, checkpoint: Path | None = No
     n_neg = shown.shape[0]
     label = NEGATIVE_BANKS[key]
     rows = [{"kind": "negative", "batch": "", "x": float(x), "y": float(y)} for x, y in xy[:n_neg]]
-    rows += [{"kind": "query", "batch": int(b), "x": float(x), "y": float(y)}
-             for (x, y), b in zip(xy[n_neg:], batch_of_query.tolist())]
+    rows += [
+        {"kind": "query", "batch": int(b), "x": float(x), "y": float(y)}
+        for (x, y), b in zip(xy[n_neg:], batch_of_query.tolist())
+    ]
     write_csv(out_dir / "negatives.csv", ["kind", "batch", "x", "y"], rows)
     summary = {
-        "checkpoint": str(checkpoint), "step": state.get("step"), "method": cfg.method.name, "negatives_key": key,
-        "negatives": label, "num_negatives": negatives.shape[0], "num_plotted_negatives": n_neg,
-        "num_queries": queries.shape[0], "projection": projection, "data": str(data), "seed": seed,
+        "checkpoint": str(checkpoint),
+        "step": state.get("step"),
+        "method": cfg.method.name,
+        "negatives_key": key,
+        "negatives": label,
+        "num_negatives": negatives.shape[0],
+        "num_plotted_negatives": n_neg,
+        "num_queries": queries.shape[0],
+        "projection": projection,
+        "data": str(data),
+        "seed": seed,
         "negative_to_nearest_query_cos": quantiles(nearest_cosine(negatives, queries)),
         "query_to_nearest_other_query_cos": quantiles(nearest_cosine(queries, queries, exclude_self=True)),
     }
     if "filled" in state["method"]:  # AdCo: columns still random before the bank is filled
         summary["bank_filled"] = int(state["method"]["filled"])
     write_json(out_dir / "negatives.json", summary)
-    plot(xy, n_neg, batch_of_query,
-         f"{label} and recent queries ({projection.upper()}), {checkpoint.parent.name} step {state.get('step')}",
-         label, out_dir / "negatives.png")
+    plot(
+        xy,
+        n_neg,
+        batch_of_query,
+        f"{label} and recent queries ({projection.upper()}), {checkpoint.parent.name} step {state.get('step')}",
+        label,
+        out_dir / "negatives.png",
+    )
     summary["out_dir"] = str(out_dir)
     return summary
 
 
 # ------------------------------------------------------------------------------------ command line
 
+
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a pretraining output folder (train.output_dir)")
     parser.add_argument("--checkpoint", type=Path, help="training checkpoint (default RUN_DIR/checkpoint_last.pth)")
     parser.add_argument("--data", help="images for the queries (default: the run's data.root)")
-    parser.add_argument("--queries", type=int, dest="num_queries",
-                        help="number of query images (default: six minibatches of train.batch_size)")
+    parser.add_argument(
+        "--queries",
+        type=int,
+        dest="num_queries",
+        help="number of query images (default: six minibatches of train.batch_size)",
+    )
     parser.add_argument("--projection", choices=PROJECTIONS, default="pca", help="default %(default)s")
-    parser.add_argument("--max-negatives", type=int, default=8192,
-                        help="plot a seeded random subset of at most this many negatives (default %(default)s)")
+    parser.add_argument(
+        "--max-negatives",
+        type=int,
+        default=8192,
+        help="plot a seeded random subset of at most this many negatives (default %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="output folder (default RUN_DIR/analysis)")
 
 
 def cli(args) -> None:
-    s = run(args.run_dir, args.out, args.checkpoint, args.data, args.num_queries, args.projection,
-            args.max_negatives, args.seed)
+    s = run(
+        args.run_dir,
+        args.out,
+        args.checkpoint,
+        args.data,
+        args.num_queries,
+        args.projection,
+        args.max_negatives,
+        args.seed,
+    )
     near = s["negative_to_nearest_query_cos"]
     ref = s["query_to_nearest_other_query_cos"]
-    print(f"{s['negatives']} ({s['negatives_key']}, {s['num_negatives']}) vs {s['num_queries']} queries of "
-          f"{s['checkpoint']} (step {s['step']}): cosine to the nearest query median {near['p50']:.3f} "
-          f"(p05 {near['p05']:.3f}); query to nearest other query median {ref['p50']:.3f}")
+    print(
+        f"{s['negatives']} ({s['negatives_key']}, {s['num_negatives']}) vs {s['num_queries']} queries of "
+        f"{s['checkpoint']} (step {s['step']}): cosine to the nearest query median {near['p50']:.3f} "
+        f"(p05 {near['p05']:.3f}); query to nearest other query median {ref['p50']:.3f}"
+    )
     print(f"wrote {s['out_dir']}/negatives.png, negatives.csv, negatives.json")

@@ -32,8 +32,18 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 from tqdm import tqdm
 
-from pretrain.analysis.common import (AnalysisError, embed, is_training_checkpoint, load_checkpoint, pyplot,
-                                      query_encoder, rebuild_method, save_figure, write_csv, write_json)
+from pretrain.analysis.common import (
+    AnalysisError,
+    embed,
+    is_training_checkpoint,
+    load_checkpoint,
+    pyplot,
+    query_encoder,
+    rebuild_method,
+    save_figure,
+    write_csv,
+    write_json,
+)
 from pretrain.data import ImageDataset, build_view_transforms, collate
 from pretrain.losses import nt_xent_similarities
 
@@ -48,8 +58,9 @@ def npc_multipliers(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> t
     return 1.0 - logits.softmax(dim=1)[:, 0]
 
 
-def npc_by_batch_size(z1: torch.Tensor, z2: torch.Tensor, batch_sizes, temperature: float,
-                      seed: int = 0) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def npc_by_batch_size(
+    z1: torch.Tensor, z2: torch.Tensor, batch_sizes, temperature: float, seed: int = 0
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """For each B: (batches (n_b, B) image indices, q (n_b, 2B)) over a seeded random partition of
     the images into ⌊n/B⌋ batches (the remainder is left out, as with drop_last)."""
     n = z1.shape[0]
@@ -78,9 +89,15 @@ def load_embedder(path: Path) -> tuple[torch.nn.Module, dict | None, str]:
 
 
 @torch.no_grad()
-def embed_views(net: torch.nn.Module, root: str, augmentation: str, image_size: int, seed: int,
-                max_images: int | None = None,
-                batch_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def embed_views(
+    net: torch.nn.Module,
+    root: str,
+    augmentation: str,
+    image_size: int,
+    seed: int,
+    max_images: int | None = None,
+    batch_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two augmented views of the images (epoch 0 of the per-sample seeded augmentation), embedded
     and L2-normalized: (n, d) each, and the images' indices in ``ImageDataset(root)``."""
     dataset = ImageDataset(root, build_view_transforms(augmentation, image_size), seed=seed)
@@ -99,8 +116,14 @@ def summarize(q: torch.Tensor) -> dict[str, float]:
     q = q.double().flatten()
     mean, std = q.mean().item(), q.std(unbiased=False).item()
     quantiles = torch.quantile(q, torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64)).tolist()
-    return {"mean": mean, "std": std, "cv": std / mean if mean > 0 else float("nan"),
-            "p05": quantiles[0], "p50": quantiles[1], "p95": quantiles[2]}
+    return {
+        "mean": mean,
+        "std": std,
+        "cv": std / mean if mean > 0 else float("nan"),
+        "p05": quantiles[0],
+        "p50": quantiles[1],
+        "p95": quantiles[2],
+    }
 
 
 def histogram_edges(values: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -127,8 +150,15 @@ def plot(stats: list[dict], values: dict[int, torch.Tensor], path: Path, title: 
     colors = plt.cm.viridis([i / max(1, len(bs) - 1) for i in range(len(bs))])
     edges = histogram_edges(values).numpy()
     for b, color in zip(bs, colors):
-        ax_hist.hist(values[b].flatten().double().numpy(), bins=edges, density=True,
-                     histtype="step", lw=1.5, color=color, label=f"B={b}")
+        ax_hist.hist(
+            values[b].flatten().double().numpy(),
+            bins=edges,
+            density=True,
+            histtype="step",
+            lw=1.5,
+            color=color,
+            label=f"B={b}",
+        )
     ax_hist.set_xlabel("q_B")
     ax_hist.set_ylabel("density")
     ax_hist.set_title("(b) distribution of q_B")
@@ -138,9 +168,17 @@ def plot(stats: list[dict], values: dict[int, torch.Tensor], path: Path, title: 
     return save_figure(fig, path)
 
 
-def run(checkpoint: Path, out_dir: Path | None = None, data: str | None = None, batch_sizes=DEFAULT_BATCH_SIZES,
-        temperature: float | None = None, augmentation: str | None = None, image_size: int | None = None,
-        max_images: int | None = None, seed: int = 0) -> dict:
+def run(
+    checkpoint: Path,
+    out_dir: Path | None = None,
+    data: str | None = None,
+    batch_sizes=DEFAULT_BATCH_SIZES,
+    temperature: float | None = None,
+    augmentation: str | None = None,
+    image_size: int | None = None,
+    max_images: int | None = None,
+    seed: int = 0,
+) -> dict:
     checkpoint = Path(checkpoint)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "analysis"
     net, cfg, kind = load_embedder(checkpoint)
@@ -183,25 +221,48 @@ def run(checkpoint: Path, out_dir: Path | None = None, data: str | None = None, 
     values = {b: q for b, (_, q) in results.items()}
     edges = histogram_edges(values)
     histograms = {b: torch.histogram(q.double().flatten(), edges).hist.long().tolist() for b, q in values.items()}
-    summary = {"checkpoint": str(checkpoint), "embedding": kind, "data": str(data), "images": n,
-               "temperature": temperature, "augmentation": augmentation, "image_size": image_size, "seed": seed,
-               "skipped_batch_sizes": skipped, "stats": stats,
-               "histogram": {"edges": edges.tolist(), "counts": histograms}}
+    summary = {
+        "checkpoint": str(checkpoint),
+        "embedding": kind,
+        "data": str(data),
+        "images": n,
+        "temperature": temperature,
+        "augmentation": augmentation,
+        "image_size": image_size,
+        "seed": seed,
+        "skipped_batch_sizes": skipped,
+        "stats": stats,
+        "histogram": {"edges": edges.tolist(), "counts": histograms},
+    }
     write_json(out_dir / "npc.json", summary)
-    plot(stats, values, out_dir / "npc.png",
-         f"NPC multiplier q_B: {checkpoint.name}, {kind.split(' (')[0]}, τ={temperature:g}, {n} images")
+    plot(
+        stats,
+        values,
+        out_dir / "npc.png",
+        f"NPC multiplier q_B: {checkpoint.name}, {kind.split(' (')[0]}, τ={temperature:g}, {n} images",
+    )
     summary["out_dir"] = str(out_dir)
     return summary
 
 
 # ------------------------------------------------------------------------------------ command line
 
+
 def add_arguments(parser) -> None:
-    parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
-                        help="checkpoint_last.pth (projection the loss sees) or a backbone checkpoint")
+    parser.add_argument(
+        "checkpoint",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="checkpoint_last.pth (projection the loss sees) or a backbone checkpoint",
+    )
     parser.add_argument("--data", help="image folder (default: the run's data.root)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES),
-                        help="batch sizes B (default %(default)s; those above the image count are skipped)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_BATCH_SIZES),
+        help="batch sizes B (default %(default)s; those above the image count are skipped)",
+    )
     parser.add_argument("--temperature", type=float, help="τ (default: the run's method.temperature)")
     parser.add_argument("--augmentation", help="view recipe (default: the run's data.augmentation, else simclr)")
     parser.add_argument("--image-size", type=int, help="crop size (default: the run's data.image_size, else 224)")
@@ -211,13 +272,24 @@ def add_arguments(parser) -> None:
 
 
 def cli(args) -> None:
-    s = run(args.checkpoint, args.out, args.data, args.batch_sizes, args.temperature, args.augmentation,
-            args.image_size, args.max_images, args.seed)
+    s = run(
+        args.checkpoint,
+        args.out,
+        args.data,
+        args.batch_sizes,
+        args.temperature,
+        args.augmentation,
+        args.image_size,
+        args.max_images,
+        args.seed,
+    )
     print(f"NPC multiplier q_B of {s['checkpoint']} ({s['embedding']}), τ={s['temperature']:g}, {s['images']} images")
     print(f"{'B':>6} {'anchors':>8} {'mean':>8} {'C_v':>8} {'p05':>8} {'p50':>8} {'p95':>8}")
     for r in s["stats"]:
-        print(f"{r['batch_size']:>6} {r['anchors']:>8} {r['mean']:>8.4f} {r['cv']:>8.4f} {r['p05']:>8.4f} "
-              f"{r['p50']:>8.4f} {r['p95']:>8.4f}")
+        print(
+            f"{r['batch_size']:>6} {r['anchors']:>8} {r['mean']:>8.4f} {r['cv']:>8.4f} {r['p05']:>8.4f} "
+            f"{r['p50']:>8.4f} {r['p95']:>8.4f}"
+        )
     if s["skipped_batch_sizes"]:
         print(f"skipped batch sizes larger than the {s['images']} images: {s['skipped_batch_sizes']}")
     print(f"wrote {s['out_dir']}/npc.png, npc.csv, npc_values.csv, npc.json")

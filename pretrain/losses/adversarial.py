@@ -40,8 +40,9 @@ __all__ = ["adversary_gradient", "AdversarialBank"]
 
 
 @torch.no_grad()
-def adversary_gradient(q: torch.Tensor, batch_logits: torch.Tensor, bank: torch.Tensor,
-                       temperature: float) -> torch.Tensor:
+def adversary_gradient(
+    q: torch.Tensor, batch_logits: torch.Tensor, bank: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """∂L/∂W (d×K) of the mean cross-entropy over the N local queries at temperature τ_m.
 
     Args:
@@ -57,7 +58,7 @@ def adversary_gradient(q: torch.Tensor, batch_logits: torch.Tensor, bank: torch.
         unit = bank / norms
         bank_logits = q @ unit  # N×K
         logits = torch.cat([_fp32(batch_logits), bank_logits], dim=1) / temperature
-        p = torch.softmax(logits, dim=1)[:, -bank.shape[1]:]
+        p = torch.softmax(logits, dim=1)[:, -bank.shape[1] :]
         n = q.shape[0]
         grad_unit = q.T @ p / n  # (1/N) Σ_i P_ik q_i, d×K
         along_unit = (p * bank_logits).sum(dim=0) / n  # (1/N) Σ_i P_ik l_ik, K

@@ -41,8 +41,7 @@ from .infonce import _fp32, _no_autocast, reduce_loss
 __all__ = ["decoupled_nce", "dclw_weights", "DCLLoss"]
 
 
-def dclw_weights(pos: torch.Tensor, sigma: float = 0.5, detach: bool = True,
-                 per_process: bool = False) -> torch.Tensor:
+def dclw_weights(pos: torch.Tensor, sigma: float = 0.5, detach: bool = True, per_process: bool = False) -> torch.Tensor:
     """w = 2 − M·softmax(pos/σ) over the M anchors of all processes; returns this process's (N,).
 
     pos: (N,) positive cosines of the local anchors, the same N on every process. The weights
@@ -90,8 +89,13 @@ class DCLLoss(nn.Module):
     DCLW's weights are over the global batch unless ``per_process_weights`` (see :func:`dclw_weights`).
     """
 
-    def __init__(self, temperature: float, weight_sigma: float | None = None, detach_weights: bool = True,
-                 per_process_weights: bool = False) -> None:
+    def __init__(
+        self,
+        temperature: float,
+        weight_sigma: float | None = None,
+        detach_weights: bool = True,
+        per_process_weights: bool = False,
+    ) -> None:
         super().__init__()
         self.temperature = temperature
         self.weight_sigma = weight_sigma
@@ -99,10 +103,15 @@ class DCLLoss(nn.Module):
         self.per_process_weights = per_process_weights
 
     def forward(self, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight_sigma is None else dclw_weights(pos, self.weight_sigma, self.detach_weights,
-                                                                 self.per_process_weights)
+        w = (
+            None
+            if self.weight_sigma is None
+            else dclw_weights(pos, self.weight_sigma, self.detach_weights, self.per_process_weights)
+        )
         return decoupled_nce(pos, neg, self.temperature, w)
 
     def extra_repr(self) -> str:
-        return (f"temperature={self.temperature}, weight_sigma={self.weight_sigma}, "
-                f"detach_weights={self.detach_weights}, per_process_weights={self.per_process_weights}")
+        return (
+            f"temperature={self.temperature}, weight_sigma={self.weight_sigma}, "
+            f"detach_weights={self.detach_weights}, per_process_weights={self.per_process_weights}"
+        )

@@ -26,14 +26,16 @@ from .infonce import _fp32, _no_autocast, reduce_loss
 
 __all__ = ["dual_temperature_weights", "dual_temperature_nce", "DualTemperatureLoss"]
 
+
 def _log_one_minus_p(logits: torch.Tensor) -> torch.Tensor:
     """log(1 − softmax(logits)[:, 0]) per row, without forming 1 − p."""
     return torch.logsumexp(logits[:, 1:], dim=1) - torch.logsumexp(logits, dim=1)
 
 
 @torch.no_grad()
-def dual_temperature_weights(pos: torch.Tensor, neg: torch.Tensor, temperature: float,
-                             inter_temperature: float) -> torch.Tensor:
+def dual_temperature_weights(
+    pos: torch.Tensor, neg: torch.Tensor, temperature: float, inter_temperature: float
+) -> torch.Tensor:
     """w = (1 − p_τβ)/(1 − p_τα) per anchor, (N,), detached and finite. pos (N,), neg (N, K ≥ 1)."""
     with _no_autocast(pos):
         logits = torch.cat([_fp32(pos).unsqueeze(1), _fp32(neg)], dim=1)
@@ -41,8 +43,9 @@ def dual_temperature_weights(pos: torch.Tensor, neg: torch.Tensor, temperature: 
         return log_w.exp().clamp(max=torch.finfo(log_w.dtype).max)  # inf → the largest finite value
 
 
-def dual_temperature_nce(pos: torch.Tensor, neg: torch.Tensor, temperature: float, inter_temperature: float,
-                         reduction: str = "mean") -> torch.Tensor:
+def dual_temperature_nce(
+    pos: torch.Tensor, neg: torch.Tensor, temperature: float, inter_temperature: float, reduction: str = "mean"
+) -> torch.Tensor:
     """mean_i w_i·(−log p_τα,i) with the detached weights of :func:`dual_temperature_weights`.
 
     Args: pos (N,) and neg (N, K) cosines; temperature τ_α (intra-anchor); inter_temperature τ_β.

@@ -11,7 +11,6 @@ margin in rounding. float64 inputs stay float64 (tests use it).
 from __future__ import annotations
 
 import contextlib
-
 import math
 
 import torch
@@ -151,13 +150,11 @@ def sample_negatives(
     if mode == "per_batch":
         return neg[:, torch.randperm(available, generator=generator, device=neg.device)[:k]]
     # The top-k of i.i.d. uniforms is a uniformly random k-subset, one per row.
-    scores = torch.rand(total_rows or n, available, generator=generator, device=neg.device)[row_offset:row_offset + n]
+    scores = torch.rand(total_rows or n, available, generator=generator, device=neg.device)[row_offset : row_offset + n]
     return neg.gather(1, scores.topk(k, dim=1).indices)
 
 
-def in_batch_similarities(
-    q: torch.Tensor, keys: torch.Tensor, offset: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def in_batch_similarities(q: torch.Tensor, keys: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positive and in-batch negative cosines of local queries against gathered keys.
 
     Args:

@@ -80,16 +80,22 @@ class AdCo(QueryKeyEncoders, Method):
             raise ConfigError(f"method.bank_init={m.bank_init!r}: expected one of {list(BANK_INITS)}")
         crops = len(m.query_crops)
         if crops and m.symmetric:
-            raise ConfigError("method.symmetric=true with method.query_crops: AdCo's symmetric loss is single-crop "
-                              "only; set one of them off")
+            raise ConfigError(
+                "method.symmetric=true with method.query_crops: AdCo's symmetric loss is single-crop "
+                "only; set one of them off"
+            )
         if crops and not crops == len(m.query_crop_min_scales) == len(m.query_crop_max_scales):
-            raise ConfigError(f"method.query_crops has {crops} sizes but method.query_crop_min_scales/"
-                              f"query_crop_max_scales have {len(m.query_crop_min_scales)}/"
-                              f"{len(m.query_crop_max_scales)}: expected one scale range per crop")
+            raise ConfigError(
+                f"method.query_crops has {crops} sizes but method.query_crop_min_scales/"
+                f"query_crop_max_scales have {len(m.query_crop_min_scales)}/"
+                f"{len(m.query_crop_max_scales)}: expected one scale range per crop"
+            )
         per_process = cfg.train.batch_size // num_processes
         if num_processes == 1 and (m.bn_splits < 1 or per_process % m.bn_splits):
-            raise ConfigError(f"method.bn_splits={m.bn_splits}: expected a divisor of the per-process batch "
-                              f"{per_process} (1 disables the single-process shuffle-BN emulation)")
+            raise ConfigError(
+                f"method.bn_splits={m.bn_splits}: expected a divisor of the per-process batch "
+                f"{per_process} (1 disables the single-process shuffle-BN emulation)"
+            )
 
     @classmethod
     def view_transforms(cls, cfg):
@@ -98,8 +104,14 @@ class AdCo(QueryKeyEncoders, Method):
             return super().view_transforms(cfg)
         size = cfg.data.image_size
         sizes = [max(1, round(s * size / 224)) for s in m.query_crops]
-        return build_multicrop_transforms(size, sizes, m.query_crop_min_scales, m.query_crop_max_scales,
-                                          cfg.data.min_crop_scale, view=OmegaConf.to_container(cfg.data.views)[0])
+        return build_multicrop_transforms(
+            size,
+            sizes,
+            m.query_crop_min_scales,
+            m.query_crop_max_scales,
+            cfg.data.min_crop_scale,
+            view=OmegaConf.to_container(cfg.data.views)[0],
+        )
 
     def __init__(self, cfg, num_processes: int) -> None:
         super().__init__()
@@ -155,7 +167,7 @@ class AdCo(QueryKeyEncoders, Method):
 
     def fill_loss(self, q: torch.Tensor, k_all: torch.Tensor, offset: int):
         """MoCo-style CE([⟨q_i,k_i⟩ | q_i·n̂]/τ, 0) of the filling steps."""
-        pos = (q * k_all[offset:offset + q.shape[0]]).sum(dim=1)
+        pos = (q * k_all[offset : offset + q.shape[0]]).sum(dim=1)
         neg = self.bank.logits(q)
         loss = info_nce(pos, neg, self.temperature)
         return loss, contrastive_stats(pos, neg, self.temperature, 0.0, loss, neg.shape[1])
@@ -187,6 +199,8 @@ class AdCo(QueryKeyEncoders, Method):
                 for p_q, p_k in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
                     p_k.copy_(p_q)
             return
-        grad = sum(w * adversary_gradient(q, similarities(q, k_all.T), self.bank.weight, self.bank_temperature)
-                   for q, k_all, w in pending)
+        grad = sum(
+            w * adversary_gradient(q, similarities(q, k_all.T), self.bank.weight, self.bank_temperature)
+            for q, k_all, w in pending
+        )
         self.bank.ascend(grad, self.bank_lr, self.bank_momentum, self.bank_weight_decay)

@@ -28,8 +28,7 @@ from pretrain import dist
 from pretrain.config import ConfigError
 from pretrain.data import build_view_transforms
 from pretrain.diagnostics import contrastive_stats
-from pretrain.losses import (SAMPLING_MODES, DCLLoss, DualTemperatureLoss, eqco_margin, info_nce,
-                             sample_negatives)
+from pretrain.losses import SAMPLING_MODES, DCLLoss, DualTemperatureLoss, eqco_margin, info_nce, sample_negatives
 
 
 class Method(nn.Module):
@@ -47,8 +46,9 @@ class Method(nn.Module):
 
     @classmethod
     def view_transforms(cls, cfg) -> list[Callable]:
-        return build_view_transforms(cfg.data.augmentation, cfg.data.image_size, cfg.data.min_crop_scale,
-                                     cfg.data.views)
+        return build_view_transforms(
+            cfg.data.augmentation, cfg.data.image_size, cfg.data.min_crop_scale, cfg.data.views
+        )
 
     def after_step(self, skipped: bool = False) -> None:
         """Called by the engine right after ``optimizer.step()`` (outside autocast); ``skipped``:
@@ -100,8 +100,9 @@ INFONCE_DEFAULTS: dict[str, Any] = {
 LOSSES: dict[str, Callable[[Any], nn.Module | None]] = {
     "infonce": lambda m: None,
     "dcl": lambda m: DCLLoss(m.temperature),
-    "dclw": lambda m: DCLLoss(m.temperature, weight_sigma=m.dclw_sigma, detach_weights=m.dclw_detach,
-                              per_process_weights=m.dclw_per_process),
+    "dclw": lambda m: DCLLoss(
+        m.temperature, weight_sigma=m.dclw_sigma, detach_weights=m.dclw_detach, per_process_weights=m.dclw_per_process
+    ),
     "dual_temperature": lambda m: DualTemperatureLoss(m.temperature, m.inter_temperature),
 }
 
@@ -122,19 +123,25 @@ class InfoNCEHost(Method):
         if m.loss not in LOSSES:
             raise ConfigError(f"method.loss={m.loss!r}: expected one of {list(LOSSES)}")
         if m.eqco_alpha is not None and m.loss != "infonce":
-            raise ConfigError(f"method.eqco_alpha={m.eqco_alpha}: EqCo's margin applies to method.loss=infonce only "
-                              f"(got {m.loss!r}); set method.eqco_alpha=null")
+            raise ConfigError(
+                f"method.eqco_alpha={m.eqco_alpha}: EqCo's margin applies to method.loss=infonce only "
+                f"(got {m.loss!r}); set method.eqco_alpha=null"
+            )
         for key in ("dclw_sigma", "inter_temperature"):
             if not (isinstance(m[key], (int, float)) and m[key] > 0):
                 raise ConfigError(f"method.{key}={m[key]}: expected a positive number")
         if m.negative_sampling not in SAMPLING_MODES:
-            raise ConfigError(f"method.negative_sampling={m.negative_sampling!r}: expected one of {list(SAMPLING_MODES)}")
+            raise ConfigError(
+                f"method.negative_sampling={m.negative_sampling!r}: expected one of {list(SAMPLING_MODES)}"
+            )
         if m.eqco_alpha is not None and m.eqco_alpha <= 0:
             raise ConfigError(f"method.eqco_alpha={m.eqco_alpha}: expected a positive number or null")
         available = cls.available_negatives(cfg, num_processes)
         if m.num_negatives is not None and not 0 < m.num_negatives <= available:
-            raise ConfigError(f"method.num_negatives={m.num_negatives}: expected 1..{available} "
-                              f"(negatives available per query with train.batch_size={cfg.train.batch_size}) or null")
+            raise ConfigError(
+                f"method.num_negatives={m.num_negatives}: expected 1..{available} "
+                f"(negatives available per query with train.batch_size={cfg.train.batch_size}) or null"
+            )
 
     def __init__(self, method_cfg) -> None:
         super().__init__()
@@ -153,8 +160,13 @@ class InfoNCEHost(Method):
         """
         if self.num_negatives is not None:
             n = neg.shape[0]
-            neg = sample_negatives(neg, self.num_negatives, self.negative_sampling,
-                                   row_offset=dist.rank_offset(n), total_rows=n * dist.world_size())
+            neg = sample_negatives(
+                neg,
+                self.num_negatives,
+                self.negative_sampling,
+                row_offset=dist.rank_offset(n),
+                total_rows=n * dist.world_size(),
+            )
         k = neg.shape[1]
         margin = 0.0 if self.eqco_alpha is None else eqco_margin(self.temperature, self.eqco_alpha, k)
         if self.criterion is None:

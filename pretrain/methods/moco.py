@@ -54,11 +54,14 @@ class MoCo(QueryKeyEncoders, InfoNCEHost):
             raise ConfigError(
                 f"method.queue_size={m.queue_size}: expected a positive multiple of the {keys} keys enqueued per "
                 f"step (train.batch_size={cfg.train.batch_size}{' x2, symmetric' if m.symmetric else ''}), "
-                f"e.g. {max(1, round(m.queue_size / keys)) * keys}")
+                f"e.g. {max(1, round(m.queue_size / keys)) * keys}"
+            )
         per_process = cfg.train.batch_size // num_processes
         if num_processes == 1 and (m.bn_splits < 1 or per_process % m.bn_splits):
-            raise ConfigError(f"method.bn_splits={m.bn_splits}: expected a divisor of the per-process batch "
-                              f"{per_process} (1 disables the single-process shuffle-BN emulation)")
+            raise ConfigError(
+                f"method.bn_splits={m.bn_splits}: expected a divisor of the per-process batch "
+                f"{per_process} (1 disables the single-process shuffle-BN emulation)"
+            )
 
     def __init__(self, cfg, num_processes: int) -> None:
         super().__init__(cfg.method)
@@ -90,7 +93,7 @@ class MoCo(QueryKeyEncoders, InfoNCEHost):
     def enqueue(self, keys: torch.Tensor) -> None:
         keys = dist.gather_no_grad(keys)
         ptr, n = self.ptr, keys.shape[0]
-        self.queue[:, ptr:ptr + n] = keys.T.to(self.queue.dtype)
+        self.queue[:, ptr : ptr + n] = keys.T.to(self.queue.dtype)
         self.ptr = (ptr + n) % self.queue.shape[1]
         self.queue_ptr.fill_(self.ptr)
 

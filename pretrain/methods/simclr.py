@@ -27,8 +27,14 @@ REDUCTIONS = ("mean", "sum_views")
 
 
 class SimCLR(InfoNCEHost):
-    defaults = {**INFONCE_DEFAULTS, "temperature": 0.1, "dim": 128, "head": "mlp_bn", "hidden_dim": None,
-                "loss_reduction": "mean"}
+    defaults = {
+        **INFONCE_DEFAULTS,
+        "temperature": 0.1,
+        "dim": 128,
+        "head": "mlp_bn",
+        "hidden_dim": None,
+        "loss_reduction": "mean",
+    }
     sync_bn = True
 
     @classmethod
@@ -39,7 +45,9 @@ class SimCLR(InfoNCEHost):
     def check(cls, cfg, num_processes: int) -> None:
         super().check(cfg, num_processes)
         if cfg.method.loss_reduction not in REDUCTIONS:
-            raise ConfigError(f"method.loss_reduction={cfg.method.loss_reduction!r}: expected one of {list(REDUCTIONS)}")
+            raise ConfigError(
+                f"method.loss_reduction={cfg.method.loss_reduction!r}: expected one of {list(REDUCTIONS)}"
+            )
 
     def __init__(self, cfg, num_processes: int) -> None:
         super().__init__(cfg.method)
@@ -56,7 +64,8 @@ class SimCLR(InfoNCEHost):
         z = F.normalize(self.encoder(torch.cat([x1, x2])).float(), dim=1)
         self.watch(z)
         z1, z2 = z.chunk(2)
-        pos, neg = nt_xent_similarities(z1, z2, dist.gather_with_grad(z1), dist.gather_with_grad(z2),
-                                        dist.rank_offset(z1.shape[0]))
+        pos, neg = nt_xent_similarities(
+            z1, z2, dist.gather_with_grad(z1), dist.gather_with_grad(z2), dist.rank_offset(z1.shape[0])
+        )
         loss, logs = self.contrast(pos, neg)
         return {"loss": loss * self.reduction_scale, **logs}

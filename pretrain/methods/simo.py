@@ -25,8 +25,16 @@ from pretrain.models import build_encoder, momentum_copy, momentum_update
 
 
 class SiMo(QueryKeyEncoders, InfoNCEHost):
-    defaults = {**INFONCE_DEFAULTS, "eqco_alpha": 256, "dim": 128, "head": "mlp_hidden_bn", "head_out_bn": False,
-                "hidden_dim": None, "momentum": 0.999, "symmetric": False}
+    defaults = {
+        **INFONCE_DEFAULTS,
+        "eqco_alpha": 256,
+        "dim": 128,
+        "head": "mlp_hidden_bn",
+        "head_out_bn": False,
+        "hidden_dim": None,
+        "momentum": 0.999,
+        "symmetric": False,
+    }
     sync_bn = True
 
     @classmethod
@@ -38,8 +46,9 @@ class SiMo(QueryKeyEncoders, InfoNCEHost):
         m = cfg.method
         self.momentum = float(m.momentum)
         self.symmetric = bool(m.symmetric)
-        self.encoder_q = build_encoder(cfg.model.arch, cfg.model.stem, m.head, m.dim, m.hidden_dim,
-                                       out_bn=m.head_out_bn)
+        self.encoder_q = build_encoder(
+            cfg.model.arch, cfg.model.stem, m.head, m.dim, m.hidden_dim, out_bn=m.head_out_bn
+        )
         self.encoder_k = momentum_copy(self.encoder_q)
 
     def contrast_in_batch(self, x_q: torch.Tensor, x_k: torch.Tensor):

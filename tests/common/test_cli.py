@@ -7,13 +7,18 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-from contrastive_transfer.cli import (OutputLock, UserError, atomic_write, command, ensure_writable_dir,
-                                      remove_stale_temporaries)
+from contrastive_transfer.cli import (
+    OutputLock,
+    UserError,
+    atomic_write,
+    command,
+    ensure_writable_dir,
+    remove_stale_temporaries,
+)
 
 
 def test_command_turns_expected_failures_into_one_line_and_keeps_bugs():
@@ -54,8 +59,12 @@ _HOLD = textwrap.dedent("""
 
 
 def test_second_run_is_refused_naming_the_holder_and_a_killed_holder_does_not_block(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(UserError, match=rf"in use by another run \(pid {holder.pid} on "):

@@ -49,8 +49,11 @@ def labelled_state_dict(sign: int) -> dict[str, torch.Tensor]:
     as a one-element expansion: the layout tests can tell every tensor apart and their files stay tiny."""
     out = {}
     for i, (name, v) in enumerate(_meta_resnet18().state_dict().items()):
-        out[name] = (torch.tensor(sign * (i + 1)) if not v.is_floating_point()
-                     else torch.tensor([sign * (i + 1.5)]).expand(v.shape))
+        out[name] = (
+            torch.tensor(sign * (i + 1))
+            if not v.is_floating_point()
+            else torch.tensor([sign * (i + 1.5)]).expand(v.shape)
+        )
     return out
 
 
@@ -80,39 +83,118 @@ def layout_checkpoints(q: dict, k: dict) -> dict[str, tuple[object, str, bool]]:
     return {
         "torchvision": ({**q, **fc}, "torchvision", False),
         "torchvision-ddp-nested": ({"state_dict": _prefixed("module.", {**q, **fc}), "epoch": 3}, "torchvision", False),
-        "project-final": ({"format": "contrastive-transfer/backbone/v1", "backbone": q, "momentum_backbone": k,
-                           "arch": "resnet18", "stem": "imagenet", "method": "moco", "step": 10,
-                           "git_sha": "abc", "config": {"model": {"arch": "resnet18"}}}, "project", True),
-        "project-training": ({"method": {**_prefixed("encoder_q.backbone.", q), **_prefixed("encoder_q.head.", head),
-                                         **_prefixed("encoder_k.backbone.", k), **_prefixed("encoder_k.head.", head),
-                                         "queue": torch.randn(8, 16), "queue_ptr": torch.tensor(0)},
-                              "optimizer": {"state": {}, "param_groups": []}, "scaler": None,
-                              "rng": [{"numpy": np.random.get_state()}], "step": 10, "steps_per_epoch": 5,
-                              "config": {}}, "project-training", True),
-        "project-training-simclr": ({"method": {**_prefixed("encoder.backbone.", q), **_prefixed("encoder.head.", head)},
-                                     "step": 1}, "project-training", False),
-        "moco-official": ({"epoch": 200, "arch": "resnet18",
-                           "state_dict": {**_prefixed("module.encoder_q.", q),
-                                          **_prefixed("module.encoder_q.fc.", head),
-                                          **_prefixed("module.encoder_k.", k),
-                                          **_prefixed("module.encoder_k.fc.", head),
-                                          "module.queue": torch.randn(8, 16), "module.queue_ptr": torch.tensor(0)},
-                           "optimizer": {"state": {}, "param_groups": []}}, "moco", True),
-        "mocov3-official": ({"state_dict": {**_prefixed("module.base_encoder.", q),
-                                            **_prefixed("module.momentum_encoder.", k),
-                                            **_prefixed("module.predictor.", head)}}, "moco", True),
-        "solo-learn": ({"state_dict": {**_prefixed("backbone.", q), **_prefixed("momentum_backbone.", k),
-                                       **_prefixed("projector.", head), "classifier.weight": torch.randn(10, 512)},
-                        "epoch": 3}, "backbone", True),
-        "lightly-sequential": ({**_prefixed("backbone.", _sequential(q)), **_prefixed("backbone_momentum.", _sequential(k)),
-                                **_prefixed("projection_head.layers.", head)}, "backbone", True),
-        "dino": ({"student": {**_prefixed("module.backbone.", q), **_prefixed("module.head.mlp.", head)},
-                  "teacher": {**_prefixed("backbone.", k), **_prefixed("head.mlp.", head)}, "epoch": 1},
-                 "backbone", True),
+        "project-final": (
+            {
+                "format": "contrastive-transfer/backbone/v1",
+                "backbone": q,
+                "momentum_backbone": k,
+                "arch": "resnet18",
+                "stem": "imagenet",
+                "method": "moco",
+                "step": 10,
+                "git_sha": "abc",
+                "config": {"model": {"arch": "resnet18"}},
+            },
+            "project",
+            True,
+        ),
+        "project-training": (
+            {
+                "method": {
+                    **_prefixed("encoder_q.backbone.", q),
+                    **_prefixed("encoder_q.head.", head),
+                    **_prefixed("encoder_k.backbone.", k),
+                    **_prefixed("encoder_k.head.", head),
+                    "queue": torch.randn(8, 16),
+                    "queue_ptr": torch.tensor(0),
+                },
+                "optimizer": {"state": {}, "param_groups": []},
+                "scaler": None,
+                "rng": [{"numpy": np.random.get_state()}],
+                "step": 10,
+                "steps_per_epoch": 5,
+                "config": {},
+            },
+            "project-training",
+            True,
+        ),
+        "project-training-simclr": (
+            {"method": {**_prefixed("encoder.backbone.", q), **_prefixed("encoder.head.", head)}, "step": 1},
+            "project-training",
+            False,
+        ),
+        "moco-official": (
+            {
+                "epoch": 200,
+                "arch": "resnet18",
+                "state_dict": {
+                    **_prefixed("module.encoder_q.", q),
+                    **_prefixed("module.encoder_q.fc.", head),
+                    **_prefixed("module.encoder_k.", k),
+                    **_prefixed("module.encoder_k.fc.", head),
+                    "module.queue": torch.randn(8, 16),
+                    "module.queue_ptr": torch.tensor(0),
+                },
+                "optimizer": {"state": {}, "param_groups": []},
+            },
+            "moco",
+            True,
+        ),
+        "mocov3-official": (
+            {
+                "state_dict": {
+                    **_prefixed("module.base_encoder.", q),
+                    **_prefixed("module.momentum_encoder.", k),
+                    **_prefixed("module.predictor.", head),
+                }
+            },
+            "moco",
+            True,
+        ),
+        "solo-learn": (
+            {
+                "state_dict": {
+                    **_prefixed("backbone.", q),
+                    **_prefixed("momentum_backbone.", k),
+                    **_prefixed("projector.", head),
+                    "classifier.weight": torch.randn(10, 512),
+                },
+                "epoch": 3,
+            },
+            "backbone",
+            True,
+        ),
+        "lightly-sequential": (
+            {
+                **_prefixed("backbone.", _sequential(q)),
+                **_prefixed("backbone_momentum.", _sequential(k)),
+                **_prefixed("projection_head.layers.", head),
+            },
+            "backbone",
+            True,
+        ),
+        "dino": (
+            {
+                "student": {**_prefixed("module.backbone.", q), **_prefixed("module.head.mlp.", head)},
+                "teacher": {**_prefixed("backbone.", k), **_prefixed("head.mlp.", head)},
+                "epoch": 1,
+            },
+            "backbone",
+            True,
+        ),
         "torch-compile": (_prefixed("_orig_mod.backbone.", q), "backbone", False),
-        "vissl": ({"classy_state_dict": {"base_model": {"model": {"trunk": _prefixed("_feature_blocks.", q),
-                                                                  "heads": _prefixed("0.clf.", head)}}},
-                   "phase_idx": 3}, "vissl", False),
+        "vissl": (
+            {
+                "classy_state_dict": {
+                    "base_model": {
+                        "model": {"trunk": _prefixed("_feature_blocks.", q), "heads": _prefixed("0.clf.", head)}
+                    }
+                },
+                "phase_idx": 3,
+            },
+            "vissl",
+            False,
+        ),
     }
 
 
@@ -145,8 +227,10 @@ def expanded_state_dict(arch: str, stem: str = "imagenet") -> dict[str, torch.Te
         net = getattr(torchvision.models, arch)(weights=None)
         if stem == "small":
             net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
-    return {k: torch.ones(1, dtype=v.dtype).expand(v.shape) if v.dim() else torch.tensor(0)
-            for k, v in net.state_dict().items()}
+    return {
+        k: torch.ones(1, dtype=v.dtype).expand(v.shape) if v.dim() else torch.tensor(0)
+        for k, v in net.state_dict().items()
+    }
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torchvision
 from torch import nn
 
 from converters.checkpoint_io import ARCHS, LAYOUTS, CheckpointError, build_resnet, load_backbone
@@ -18,9 +17,23 @@ def _assert_same_tensors(got: dict, want: dict) -> None:
         assert torch.equal(got[name].to(value.dtype), value), name
 
 
-@pytest.mark.parametrize("name", ["torchvision", "torchvision-ddp-nested", "project-final", "project-training",
-                                  "project-training-simclr", "moco-official", "mocov3-official", "solo-learn",
-                                  "lightly-sequential", "dino", "torch-compile", "vissl"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "torchvision",
+        "torchvision-ddp-nested",
+        "project-final",
+        "project-training",
+        "project-training-simclr",
+        "moco-official",
+        "mocov3-official",
+        "solo-learn",
+        "lightly-sequential",
+        "dino",
+        "torch-compile",
+        "vissl",
+    ],
+)
 def test_every_layout_reads_the_same_backbone(name, layout_files, resnet18_pair):
     path, layout, has_key = layout_files[name]
     query, key = resnet18_pair
@@ -63,8 +76,7 @@ def test_small_stem_is_detected(make_expanded, tmp_path):
 @pytest.mark.parametrize("stem", ["imagenet", "small"])
 def test_build_resnet_reproduces_the_source_network(stem, make_resnet, tmp_path):
     source = make_resnet("resnet18", seed=3, stem=stem, image_size=32)
-    torch.save({"state_dict": {"backbone." + k: v for k, v in source.state_dict().items()}},
-               tmp_path / "b.pth")
+    torch.save({"state_dict": {"backbone." + k: v for k, v in source.state_dict().items()}}, tmp_path / "b.pth")
     backbone = load_backbone(tmp_path / "b.pth")
     assert backbone.stem == stem
     net = build_resnet(backbone)
@@ -91,8 +103,17 @@ def test_reads_checkpoints_written_by_pretrain(tmp_path):
         for p in moco.encoder_q.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     export_final(tmp_path / "checkpoint_final.pth", moco, cfg, step=7)
-    atomic_save({"method": moco.state_dict(), "optimizer": {}, "rng": [{"numpy": np.random.get_state()}],
-                 "step": 7, "steps_per_epoch": 1, "config": {}}, tmp_path / "checkpoint_last.pth")
+    atomic_save(
+        {
+            "method": moco.state_dict(),
+            "optimizer": {},
+            "rng": [{"numpy": np.random.get_state()}],
+            "step": 7,
+            "steps_per_epoch": 1,
+            "config": {},
+        },
+        tmp_path / "checkpoint_last.pth",
+    )
     for file, layout in [("checkpoint_final.pth", "project"), ("checkpoint_last.pth", "project-training")]:
         for encoder, reference in [("query", moco.backbone), ("key", moco.momentum_backbone)]:
             backbone = load_backbone(tmp_path / file, encoder=encoder)
@@ -127,39 +148,60 @@ def _torchvision_sd(resnet18_pair, drop=(), change=None):
     return sd
 
 
-@pytest.mark.parametrize("case, match", [
-    ("text-file", r"bad\.pth: not a readable torch checkpoint"),
-    ("missing-file", r"nope\.pth: no such file"),
-    ("a-list", r"bad\.pth: no ResNet backbone found; the file holds a list"),
-    ("vit", r"bad\.pth: no ResNet backbone found; top-level keys \['state_dict'\]"),
-    ("missing-tensors", r"bad\.pth: 2 resnet18 backbone tensors missing, e\.g\. layer4\.1\.conv2\.weight, "
-                        r"layer4\.1\.bn2\.weight"),
-    ("wrong-shape", r"bad\.pth: layer2\.0\.conv1\.weight has shape \(128, 64, 1, 1\), expected \(128, 64, 3, 3\) "
-                    r"for resnet18"),
-    ("wrong-stem", r"bad\.pth: conv1\.weight has shape \(64, 3, 5, 5\), expected \(64, 3, 7, 7\)"),
-    ("too-deep", r"bad\.pth: basic blocks per stage \(2, 2, 40, 2\) .* fit no supported ResNet"),
-    ("foreign-block-tensor", r"bad\.pth: tensors layer1\.0\.conv3\.weight, layer1\.0\.bn3\.weight do not "
-                             r"belong to resnet18 \(2 unexpected backbone tensors\)"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("text-file", r"bad\.pth: not a readable torch checkpoint"),
+        ("missing-file", r"nope\.pth: no such file"),
+        ("a-list", r"bad\.pth: no ResNet backbone found; the file holds a list"),
+        ("vit", r"bad\.pth: no ResNet backbone found; top-level keys \['state_dict'\]"),
+        (
+            "missing-tensors",
+            r"bad\.pth: 2 resnet18 backbone tensors missing, e\.g\. layer4\.1\.conv2\.weight, "
+            r"layer4\.1\.bn2\.weight",
+        ),
+        (
+            "wrong-shape",
+            r"bad\.pth: layer2\.0\.conv1\.weight has shape \(128, 64, 1, 1\), expected \(128, 64, 3, 3\) "
+            r"for resnet18",
+        ),
+        ("wrong-stem", r"bad\.pth: conv1\.weight has shape \(64, 3, 5, 5\), expected \(64, 3, 7, 7\)"),
+        ("too-deep", r"bad\.pth: basic blocks per stage \(2, 2, 40, 2\) .* fit no supported ResNet"),
+        (
+            "foreign-block-tensor",
+            r"bad\.pth: tensors layer1\.0\.conv3\.weight, layer1\.0\.bn3\.weight do not "
+            r"belong to resnet18 \(2 unexpected backbone tensors\)",
+        ),
+    ],
+)
 def test_bad_checkpoints_raise_one_line_errors(case, match, resnet18_pair, tmp_path):
     sd = resnet18_pair[0]
     path = {
         "text-file": lambda: _write(tmp_path, b"this is not a checkpoint\n"),
         "missing-file": lambda: tmp_path / "nope.pth",
         "a-list": lambda: _write(tmp_path, [1, 2, 3]),
-        "vit": lambda: _write(tmp_path, {"state_dict": {"blocks.0.attn.qkv.weight": torch.zeros(3, 3),
-                                                        "cls_token": torch.zeros(1)}}),
-        "missing-tensors": lambda: _write(tmp_path, _torchvision_sd(
-            resnet18_pair, drop=("layer4.1.conv2.weight", "layer4.1.bn2.weight"))),
-        "wrong-shape": lambda: _write(tmp_path, _torchvision_sd(
-            resnet18_pair, change={"layer2.0.conv1.weight": torch.zeros(128, 64, 1, 1)})),
-        "wrong-stem": lambda: _write(tmp_path, _torchvision_sd(
-            resnet18_pair, change={"conv1.weight": torch.zeros(64, 3, 5, 5)})),
-        "too-deep": lambda: _write(tmp_path, _torchvision_sd(
-            resnet18_pair, change={"layer3.39.conv1.weight": sd["layer3.1.conv1.weight"]})),
-        "foreign-block-tensor": lambda: _write(tmp_path, _torchvision_sd(
-            resnet18_pair, change={"layer1.0.conv3.weight": torch.zeros(64, 64, 1, 1),
-                                   "layer1.0.bn3.weight": torch.zeros(64)})),
+        "vit": lambda: _write(
+            tmp_path, {"state_dict": {"blocks.0.attn.qkv.weight": torch.zeros(3, 3), "cls_token": torch.zeros(1)}}
+        ),
+        "missing-tensors": lambda: _write(
+            tmp_path, _torchvision_sd(resnet18_pair, drop=("layer4.1.conv2.weight", "layer4.1.bn2.weight"))
+        ),
+        "wrong-shape": lambda: _write(
+            tmp_path, _torchvision_sd(resnet18_pair, change={"layer2.0.conv1.weight": torch.zeros(128, 64, 1, 1)})
+        ),
+        "wrong-stem": lambda: _write(
+            tmp_path, _torchvision_sd(resnet18_pair, change={"conv1.weight": torch.zeros(64, 3, 5, 5)})
+        ),
+        "too-deep": lambda: _write(
+            tmp_path, _torchvision_sd(resnet18_pair, change={"layer3.39.conv1.weight": sd["layer3.1.conv1.weight"]})
+        ),
+        "foreign-block-tensor": lambda: _write(
+            tmp_path,
+            _torchvision_sd(
+                resnet18_pair,
+                change={"layer1.0.conv3.weight": torch.zeros(64, 64, 1, 1), "layer1.0.bn3.weight": torch.zeros(64)},
+            ),
+        ),
     }[case]()
     with pytest.raises(CheckpointError, match=match) as info:
         load_backbone(path)

@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from converters.checkpoint_io import ARCHS, CheckpointError, load_backbone
-from converters.to_detectron2 import (TORCHVISION_PIXEL_MEAN, TORCHVISION_PIXEL_STD, convert, detectron2_config,
-                                      detectron2_name, main, to_detectron2)
+from converters.to_detectron2 import (
+    TORCHVISION_PIXEL_MEAN,
+    TORCHVISION_PIXEL_STD,
+    convert,
+    detectron2_config,
+    detectron2_name,
+    main,
+    to_detectron2,
+)
 
 detectron2 = pytest.importorskip("detectron2")
 from detectron2 import model_zoo  # noqa: E402
@@ -25,14 +32,23 @@ from detectron2.modeling import build_model  # noqa: E402
 from detectron2.modeling.backbone.resnet import build_resnet_backbone  # noqa: E402
 from torchvision.models.feature_extraction import create_feature_extractor  # noqa: E402
 
-MODELS = {"C4": "COCO-InstanceSegmentation/mask_rcnn_R_50_C4_1x.yaml",
-          "FPN": "COCO-InstanceSegmentation/mask_rcnn_R_50_FPN_1x.yaml"}
+MODELS = {
+    "C4": "COCO-InstanceSegmentation/mask_rcnn_R_50_C4_1x.yaml",
+    "FPN": "COCO-InstanceSegmentation/mask_rcnn_R_50_FPN_1x.yaml",
+}
 # Where detectron2 keeps the ResNet in each model (C4: res5 is the ROI head).
 BACKBONE_PREFIXES = {"C4": ("backbone.", "roi_heads.res5."), "FPN": ("backbone.bottom_up.",)}
 # New layers of a detector: the only keys allowed to be missing from a backbone checkpoint.
-HEAD_PREFIXES = {"C4": ("proposal_generator.", "roi_heads.box_predictor.", "roi_heads.mask_head."),
-                 "FPN": ("backbone.fpn_", "proposal_generator.", "roi_heads.box_head.", "roi_heads.box_predictor.",
-                         "roi_heads.mask_head.")}
+HEAD_PREFIXES = {
+    "C4": ("proposal_generator.", "roi_heads.box_predictor.", "roi_heads.mask_head."),
+    "FPN": (
+        "backbone.fpn_",
+        "proposal_generator.",
+        "roi_heads.box_head.",
+        "roi_heads.box_predictor.",
+        "roi_heads.mask_head.",
+    ),
+}
 STAGES = {"layer1": "res2", "layer2": "res3", "layer3": "res4", "layer4": "res5"}
 
 
@@ -107,7 +123,7 @@ def test_detectron2_matches_every_backbone_tensor(kind, depth, tensors, converte
     by_d2_name = {detectron2_name(k): v for k, v in source.items()}
     matched = 0
     for key in backbone_keys:
-        short = next(key[len(p):] for p in BACKBONE_PREFIXES[kind] if key.startswith(p))
+        short = next(key[len(p) :] for p in BACKBONE_PREFIXES[kind] if key.startswith(p))
         short = short if kind == "FPN" or key.startswith("backbone.") else "res5." + short
         torch.testing.assert_close(state[key], by_d2_name[short].to(state[key].dtype), rtol=0, atol=0)
         matched += 1
@@ -167,19 +183,34 @@ def test_renaming_follows_detectron2_rules(make_expanded, tmp_path):
     model = to_detectron2(load_backbone(tmp_path / "r50.pth"))
     assert len(model) == 318  # 53 convs + 53 BN x 5 entries; fc dropped
     assert sum(not k.endswith("num_batches_tracked") for k in model) == 265
-    for tv, d2 in [("conv1.weight", "stem.conv1.weight"), ("bn1.bias", "stem.conv1.norm.bias"),
-                   ("layer1.0.bn2.running_var", "res2.0.conv2.norm.running_var"),
-                   ("layer3.0.downsample.1.weight", "res4.0.shortcut.norm.weight"),
-                   ("layer4.2.conv3.weight", "res5.2.conv3.weight"),
-                   ("layer2.0.downsample.0.weight", "res3.0.shortcut.weight")]:
+    for tv, d2 in [
+        ("conv1.weight", "stem.conv1.weight"),
+        ("bn1.bias", "stem.conv1.norm.bias"),
+        ("layer1.0.bn2.running_var", "res2.0.conv2.norm.running_var"),
+        ("layer3.0.downsample.1.weight", "res4.0.shortcut.norm.weight"),
+        ("layer4.2.conv3.weight", "res5.2.conv3.weight"),
+        ("layer2.0.downsample.0.weight", "res3.0.shortcut.weight"),
+    ]:
         assert detectron2_name(tv) == d2 and d2 in model
     assert not [k for k in model if "layer" in k or "bn" in k or "downsample" in k or k.startswith("fc")]
     assert all(isinstance(v, np.ndarray) for v in model.values())
 
 
-@pytest.mark.parametrize("name", ["torchvision-ddp-nested", "project-final", "project-training", "moco-official",
-                                  "mocov3-official", "solo-learn", "lightly-sequential", "dino", "torch-compile",
-                                  "vissl"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "torchvision-ddp-nested",
+        "project-final",
+        "project-training",
+        "moco-official",
+        "mocov3-official",
+        "solo-learn",
+        "lightly-sequential",
+        "dino",
+        "torch-compile",
+        "vissl",
+    ],
+)
 def test_every_layout_converts_to_the_same_output(name, layout_files):
     reference = to_detectron2(load_backbone(layout_files["torchvision"][0]))
     path, _, has_key = layout_files[name]
@@ -209,10 +240,14 @@ def bad_inputs(tmp_path, resnet18_pair, make_expanded):
     cases = {
         "unreadable": (b"PK\x03\x04 truncated", r"not a readable torch checkpoint"),
         "no-resnet": ({"model": {"blocks.0.attn.qkv.weight": torch.zeros(3, 3)}}, r"no ResNet backbone found"),
-        "missing-tensors": ({k: v for k, v in sd.items() if not k.startswith("layer3.1.")},
-                            r"resnet18 backbone tensors missing, e\.g\. layer3\.1\.conv1\.weight"),
-        "wrong-shape": ({**sd, "layer4.0.conv2.weight": torch.zeros(512, 512, 1, 1)},
-                        r"layer4\.0\.conv2\.weight has shape \(512, 512, 1, 1\), expected \(512, 512, 3, 3\)"),
+        "missing-tensors": (
+            {k: v for k, v in sd.items() if not k.startswith("layer3.1.")},
+            r"resnet18 backbone tensors missing, e\.g\. layer3\.1\.conv1\.weight",
+        ),
+        "wrong-shape": (
+            {**sd, "layer4.0.conv2.weight": torch.zeros(512, 512, 1, 1)},
+            r"layer4\.0\.conv2\.weight has shape \(512, 512, 1, 1\), expected \(512, 512, 3, 3\)",
+        ),
         "small-stem": (make_expanded("resnet18", "small"), r"small 3x3/1 stem .* cannot be converted"),
         "no-momentum-encoder": (sd, r"no momentum encoder"),
     }
@@ -225,8 +260,9 @@ def bad_inputs(tmp_path, resnet18_pair, make_expanded):
     return paths
 
 
-@pytest.mark.parametrize("case", ["unreadable", "no-resnet", "missing-tensors", "wrong-shape", "small-stem",
-                                  "no-momentum-encoder"])
+@pytest.mark.parametrize(
+    "case", ["unreadable", "no-resnet", "missing-tensors", "wrong-shape", "small-stem", "no-momentum-encoder"]
+)
 def test_bad_input_gives_one_line_and_no_file(case, bad_inputs, tmp_path, capsys):
     path, match = bad_inputs[case]
     out = tmp_path / "out" / "model.pkl"
@@ -266,8 +302,9 @@ def test_failures_keep_an_existing_output(bad_inputs, layout_files, tmp_path, mo
 def test_command_line(layout_files, tmp_path, monkeypatch, capsys):
     """`python -m converters.to_detectron2` (run in this process: a new interpreter costs seconds of imports)."""
     out = tmp_path / "r18.pkl"
-    monkeypatch.setattr(sys, "argv", ["to_detectron2", str(layout_files["moco-official"][0]), str(out),
-                                      "--encoder", "key"])
+    monkeypatch.setattr(
+        sys, "argv", ["to_detectron2", str(layout_files["moco-official"][0]), str(out), "--encoder", "key"]
+    )
     monkeypatch.delitem(sys.modules, "converters.to_detectron2")  # run_module executes a fresh copy
     with pytest.raises(SystemExit) as exit_code:
         runpy.run_module("converters.to_detectron2", run_name="__main__")
@@ -277,9 +314,14 @@ def test_command_line(layout_files, tmp_path, monkeypatch, capsys):
     # Both projection heads (3 tensors each), the queue and its pointer; not the query encoder's backbone.
     assert "dropped 8 non-backbone tensors" in stdout
     assert "wrote 120 detectron2 tensors" in stdout
-    for field in ["INPUT.FORMAT: RGB", "MODEL.PIXEL_MEAN: [123.675, 116.28, 103.53]",
-                  "MODEL.PIXEL_STD: [58.395, 57.12, 57.375]", "MODEL.RESNETS.STRIDE_IN_1X1: False",
-                  "MODEL.RESNETS.DEPTH: 18", "MODEL.RESNETS.RES2_OUT_CHANNELS: 64"]:
+    for field in [
+        "INPUT.FORMAT: RGB",
+        "MODEL.PIXEL_MEAN: [123.675, 116.28, 103.53]",
+        "MODEL.PIXEL_STD: [58.395, 57.12, 57.375]",
+        "MODEL.RESNETS.STRIDE_IN_1X1: False",
+        "MODEL.RESNETS.DEPTH: 18",
+        "MODEL.RESNETS.RES2_OUT_CHANNELS: 64",
+    ]:
         assert field in stdout
     with open(out, "rb") as f:
         assert len(pickle.load(f)["model"]) == 120

@@ -14,8 +14,9 @@ from converters.to_torchvision import convert, main
 @pytest.mark.parametrize("stem", ["imagenet", "small"])
 def test_output_loads_into_torchvision_and_runs_the_same(stem, make_resnet, tmp_path, capsys):
     source = make_resnet("resnet18", seed=11, stem=stem, image_size=32)
-    torch.save({"state_dict": {f"module.encoder_q.{k}": v for k, v in source.state_dict().items()}},
-               tmp_path / "moco.pth.tar")
+    torch.save(
+        {"state_dict": {f"module.encoder_q.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "moco.pth.tar"
+    )
     assert main([str(tmp_path / "moco.pth.tar"), str(tmp_path / "r18.pth")]) == 0
     printed = capsys.readouterr().out
     assert "resnet18" in printed and "120 tensors" in printed and ("small stem" in printed) == (stem == "small")

@@ -22,8 +22,11 @@ SIZE = 8  # image side (small stem: layer4 is 1×1)
 
 
 def _method(recipe: str, *overrides: str, batch: int = 4, num_processes: int = 1):
-    cfg = load_config(RECIPES / f"{recipe}.yaml", [f"data.image_size={SIZE}", f"train.batch_size={batch}",
-                                                   "method.bn_splits=1", "method.dim=16", *overrides], num_processes)
+    cfg = load_config(
+        RECIPES / f"{recipe}.yaml",
+        [f"data.image_size={SIZE}", f"train.batch_size={batch}", "method.bn_splits=1", "method.dim=16", *overrides],
+        num_processes,
+    )
     torch.manual_seed(0)  # the engine's set_seed: identical weights and bank on every rank
     return cfg, METHODS["adco"](cfg, num_processes).double()
 
@@ -55,12 +58,22 @@ def test_manual_gradient_equals_autograd_wrt_the_raw_bank():
     assert (no_projection - ref).abs().max() > 1e-3 * ref.abs().max()
 
 
-@pytest.mark.parametrize("variant,overrides,n_views", [
-    ("single", [], 2),
-    ("symmetric", ["method.symmetric=true"], 2),
-    ("multicrop", ["method.query_crops=[224,192,160]", "method.query_crop_min_scales=[0.2,0.2,0.2]",
-                   "method.query_crop_max_scales=[1,1,1]"], 4),
-])
+@pytest.mark.parametrize(
+    "variant,overrides,n_views",
+    [
+        ("single", [], 2),
+        ("symmetric", ["method.symmetric=true"], 2),
+        (
+            "multicrop",
+            [
+                "method.query_crops=[224,192,160]",
+                "method.query_crop_min_scales=[0.2,0.2,0.2]",
+                "method.query_crop_max_scales=[1,1,1]",
+            ],
+            4,
+        ),
+    ],
+)
 def test_adversary_update_equals_sgd_ascent_on_the_network_loss_at_bank_temperature(variant, overrides, n_views):
     """Reference: the method's own loss with τ = τ_m and W a leaf, autograd, then
     torch.optim.SGD(lr 3, momentum 0.9, wd 1e-4, maximize=True); two steps (momentum)."""
@@ -86,8 +99,9 @@ def test_adversary_update_equals_sgd_ascent_on_the_network_loss_at_bank_temperat
         sgd.step()
         where = f"{variant}, step {step}"
         torch.testing.assert_close(method.bank.weight, bank.detach(), rtol=1e-5, atol=1e-7, msg=where)
-        torch.testing.assert_close(method.bank.momentum_buffer, sgd.state[bank]["momentum_buffer"], rtol=1e-5,
-                                   atol=1e-7, msg=where)
+        torch.testing.assert_close(
+            method.bank.momentum_buffer, sgd.state[bank]["momentum_buffer"], rtol=1e-5, atol=1e-7, msg=where
+        )
     moved = (method.bank.weight - _method("tiny_adco", "method.bank_size=12")[1].bank.weight).abs().max()
     assert moved > 1e-2, "the bank did not move: the comparison is vacuous"
 
@@ -121,8 +135,9 @@ def test_filling_writes_the_keys_then_restarts_the_key_encoder():
             q = F.normalize(method.encoder_q(x1), dim=1)
             k = F.normalize(method.encoder_k(x2), dim=1)
         logits = torch.cat([(q * k).sum(1, keepdim=True), q @ F.normalize(bank_before, dim=0)], 1) / 0.12
-        assert out["loss"].item() == pytest.approx(F.cross_entropy(logits, torch.zeros(4, dtype=torch.long)).item(),
-                                                   rel=1e-5)
+        assert out["loss"].item() == pytest.approx(
+            F.cross_entropy(logits, torch.zeros(4, dtype=torch.long)).item(), rel=1e-5
+        )
         optimizer.zero_grad()
         out["loss"].backward()
         optimizer.step()
@@ -140,10 +155,22 @@ def test_filling_writes_the_keys_then_restarts_the_key_encoder():
 def test_recipes_carry_the_paper_values_and_multicrop_scales_with_the_image():
     single, sym, multi = (load_config(RECIPES / f"{r}.yaml") for r in ("adco", "adco_sym", "adco_multicrop"))
     m = single.method
-    assert (m.temperature, m.bank_temperature, m.bank_size, m.bank_lr, m.bank_momentum, m.bank_weight_decay,
-            m.momentum, m.bank_init) == (0.12, 0.02, 65536, 3.0, 0.9, 1e-4, 0.999, "fill")
+    assert (
+        m.temperature,
+        m.bank_temperature,
+        m.bank_size,
+        m.bank_lr,
+        m.bank_momentum,
+        m.bank_weight_decay,
+        m.momentum,
+        m.bank_init,
+    ) == (0.12, 0.02, 65536, 3.0, 0.9, 1e-4, 0.999, "fill")
     assert (single.optim.lr, single.optim.weight_decay, single.train.batch_size, single.train.epochs) == (
-        0.03, 1e-4, 256, 200)
+        0.03,
+        1e-4,
+        256,
+        200,
+    )
     assert sym.method.symmetric and not single.method.symmetric
     assert list(multi.method.query_crops) == [224, 192, 160, 128, 96]
     image = torch.zeros(3, 300, 300, dtype=torch.uint8)
@@ -154,12 +181,15 @@ def test_recipes_carry_the_paper_values_and_multicrop_scales_with_the_image():
     assert len(METHODS["adco"].view_transforms(single)) == 2
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["method.symmetric=true", "method.query_crops=[224,96]"], "method.symmetric=true with method.query_crops"),
-    (["method.bank_init=zeros"], "method.bank_init='zeros': expected one of"),
-    (["method.bank_temperature=0"], "method.bank_temperature=0: expected a positive number"),
-    (["method.query_crops=[224,192,160,128,96,64]"], "method.query_crops has 6 sizes but"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["method.symmetric=true", "method.query_crops=[224,96]"], "method.symmetric=true with method.query_crops"),
+        (["method.bank_init=zeros"], "method.bank_init='zeros': expected one of"),
+        (["method.bank_temperature=0"], "method.bank_temperature=0: expected a positive number"),
+        (["method.query_crops=[224,192,160,128,96,64]"], "method.query_crops has 6 sizes but"),
+    ],
+)
 def test_bad_adco_configs_fail_with_one_clear_line(overrides, expected):
     with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(")):
         load_config(RECIPES / "adco.yaml", overrides)
@@ -173,8 +203,13 @@ def test_resume_reproduces_the_bank_and_its_momentum_exactly(synthetic_root, tmp
     from pretrain.engine import train
 
     accelerator = Accelerator(cpu=True)
-    common = [f"data.root={synthetic_root / 'imagenet' / 'train'}", "data.image_size=16", "train.batch_size=8",
-              "method.bank_size=8", "method.bn_splits=2"]
+    common = [
+        f"data.root={synthetic_root / 'imagenet' / 'train'}",
+        "data.image_size=16",
+        "train.batch_size=8",
+        "method.bank_size=8",
+        "method.bn_splits=2",
+    ]
 
     def run(out, steps):
         cfg = load_config(RECIPES / "tiny_adco.yaml", [*common, f"train.output_dir={out}", f"train.max_steps={steps}"])

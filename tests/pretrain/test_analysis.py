@@ -16,8 +16,15 @@ from omegaconf import OmegaConf
 from pretrain.analysis import curves, negatives, npc
 from pretrain.analysis.__main__ import main
 from pretrain.analysis.common import AnalysisError
-from pretrain.analysis.mi_toy import (QUICK, StackedCritics, ToyConfig, batch_losses, correlation, gaussian_mi,
-                                      sample_pairs)
+from pretrain.analysis.mi_toy import (
+    QUICK,
+    StackedCritics,
+    ToyConfig,
+    batch_losses,
+    correlation,
+    gaussian_mi,
+    sample_pairs,
+)
 from pretrain.config import load_config
 from pretrain.data import ImageDataset, build_view_transforms
 from pretrain.engine import train
@@ -44,14 +51,18 @@ def test_mi_toy_quick_eqco_varies_less_across_k_than_infonce(tmp_path, capsys):
     rows = _csv(tmp_path / "mi_toy.csv")
     assert len(rows) == len(QUICK["true_mi"]) * len(QUICK["ks"]) * 2
     est = {(float(r["true_mi"]), int(r["k"]), r["loss"]): float(r["estimate"]) for r in rows}
-    for (mi, k, loss), value in est.items():
+    for (_mi, k, loss), value in est.items():
         if loss == "infonce":  # Oord et al.: log K − L ≤ log K (K − 1 negatives per query)
             assert value <= math.log(k) + 1e-9
+
     # The spread across K, recomputed from the CSV: EqCo's is far below InfoNCE's.
     def spread(loss):
-        stds = [torch.tensor([est[(mi, k, loss)] for k in QUICK["ks"]]).std(unbiased=False).item()
-                for mi in QUICK["true_mi"]]
+        stds = [
+            torch.tensor([est[(mi, k, loss)] for k in QUICK["ks"]]).std(unbiased=False).item()
+            for mi in QUICK["true_mi"]
+        ]
         return sum(stds) / len(stds)
+
     assert spread("eqco") < 0.5 * spread("infonce"), (spread("eqco"), spread("infonce"))
     summary = json.loads((tmp_path / "mi_toy.json").read_text())
     assert summary["spread_across_k"]["eqco"] == pytest.approx(spread("eqco"), abs=1e-6)
@@ -98,25 +109,86 @@ def test_curves_merge_steps_and_write_columns(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     lines = [
-        {"step": 1, "epoch": 0.5, "lr": 0.1, "data_time": 0.01, "step_time": 0.2, "loss": 5.0, "mi_bound": 0.5,
-         "npc_mean": 0.9, "npc_cv": 0.1, "pos_cos": 0.5, "neg_cos": 0.0},
-        {"step": 2, "epoch": 1.0, "lr": 0.1, "data_time": 0.01, "step_time": 0.2, "loss": 4.0, "mi_bound": 1.5,
-         "npc_mean": 0.8, "npc_cv": 0.2, "pos_cos": 0.6, "neg_cos": 0.0, "grad_q_norm_mean": 0.3,
-         "grad_q_norm_std": 0.05},
+        {
+            "step": 1,
+            "epoch": 0.5,
+            "lr": 0.1,
+            "data_time": 0.01,
+            "step_time": 0.2,
+            "loss": 5.0,
+            "mi_bound": 0.5,
+            "npc_mean": 0.9,
+            "npc_cv": 0.1,
+            "pos_cos": 0.5,
+            "neg_cos": 0.0,
+        },
+        {
+            "step": 2,
+            "epoch": 1.0,
+            "lr": 0.1,
+            "data_time": 0.01,
+            "step_time": 0.2,
+            "loss": 4.0,
+            "mi_bound": 1.5,
+            "npc_mean": 0.8,
+            "npc_cv": 0.2,
+            "pos_cos": 0.6,
+            "neg_cos": 0.0,
+            "grad_q_norm_mean": 0.3,
+            "grad_q_norm_std": 0.05,
+        },
         {"step": 2, "epoch": 1.0, "knn_top1": 12.5},
-        {"step": 3, "epoch": 1.5, "lr": 0.05, "data_time": 0.01, "step_time": 0.2, "loss": 9.0, "mi_bound": 0.1,
-         "npc_mean": 0.8, "npc_cv": 0.2, "pos_cos": 0.6, "neg_cos": 0.0},
+        {
+            "step": 3,
+            "epoch": 1.5,
+            "lr": 0.05,
+            "data_time": 0.01,
+            "step_time": 0.2,
+            "loss": 9.0,
+            "mi_bound": 0.1,
+            "npc_mean": 0.8,
+            "npc_cv": 0.2,
+            "pos_cos": 0.6,
+            "neg_cos": 0.0,
+        },
         # a resumed run re-logs step 3: the later line wins
-        {"step": 3, "epoch": 1.5, "lr": 0.05, "data_time": 0.01, "step_time": 0.2, "loss": 3.0, "mi_bound": 2.0,
-         "npc_mean": 0.8, "npc_cv": 0.2, "pos_cos": 0.6, "neg_cos": 0.0, "bank_filled": 1.0},
+        {
+            "step": 3,
+            "epoch": 1.5,
+            "lr": 0.05,
+            "data_time": 0.01,
+            "step_time": 0.2,
+            "loss": 3.0,
+            "mi_bound": 2.0,
+            "npc_mean": 0.8,
+            "npc_cv": 0.2,
+            "pos_cos": 0.6,
+            "neg_cos": 0.0,
+            "bank_filled": 1.0,
+        },
     ]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     main(["curves", str(run)])
     out = run / "analysis"
     with open(out / "curves.csv", newline="") as f:
         header = next(csv.reader(f))
-    assert header == ["step", "epoch", "lr", "loss", "mi_bound", "npc_mean", "npc_cv", "pos_cos", "neg_cos",
-                      "grad_q_norm_mean", "grad_q_norm_std", "knn_top1", "data_time", "step_time", "bank_filled"]
+    assert header == [
+        "step",
+        "epoch",
+        "lr",
+        "loss",
+        "mi_bound",
+        "npc_mean",
+        "npc_cv",
+        "pos_cos",
+        "neg_cos",
+        "grad_q_norm_mean",
+        "grad_q_norm_std",
+        "knn_top1",
+        "data_time",
+        "step_time",
+        "bank_filled",
+    ]
     rows = _csv(out / "curves.csv")
     assert [r["step"] for r in rows] == ["1", "2", "3"]
     assert (rows[1]["knn_top1"], rows[1]["loss"], rows[2]["loss"], rows[0]["knn_top1"]) == ("12.5", "4.0", "3.0", "")
@@ -136,22 +208,33 @@ def test_curves_bad_line_names_file_and_line(tmp_path):
 def tiny_moco(synthetic_root, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_moco")
     # Smaller than the tiny recipe (16 px, batch 8, queue 64) to keep the module's tests quick.
-    cfg = load_config(RECIPES / "tiny_mocov2.yaml", [f"data.root={synthetic_root / 'imagenet' / 'train'}",
-                                                     f"train.output_dir={out}", "train.max_steps=2",
-                                                     "data.image_size=16", "train.batch_size=8",
-                                                     "method.queue_size=64", "method.bn_splits=2"])
+    cfg = load_config(
+        RECIPES / "tiny_mocov2.yaml",
+        [
+            f"data.root={synthetic_root / 'imagenet' / 'train'}",
+            f"train.output_dir={out}",
+            "train.max_steps=2",
+            "data.image_size=16",
+            "train.batch_size=8",
+            "method.queue_size=64",
+            "method.bn_splits=2",
+        ],
+    )
     train(cfg, Accelerator(cpu=True))
     return out
 
 
 def test_npc_matches_a_per_anchor_brute_force(tiny_moco, synthetic_root, tmp_path):
     root = synthetic_root / "imagenet" / "train"
-    summary = npc.run(tiny_moco / "checkpoint_last.pth", tmp_path, data=str(root), batch_sizes=(4, 5, 10**6),
-                      max_images=14, seed=3)
+    summary = npc.run(
+        tiny_moco / "checkpoint_last.pth", tmp_path, data=str(root), batch_sizes=(4, 5, 10**6), max_images=14, seed=3
+    )
     assert summary["embedding"].startswith("projection") and summary["skipped_batch_sizes"] == [10**6]
     values = _csv(tmp_path / "npc_values.csv")
     # ⌊14/4⌋ = 3 batches of 4 and 2 of 5, two anchors (views) per image
-    assert sum(r["batch_size"] == "4" for r in values) == 2 * 12 and sum(r["batch_size"] == "5" for r in values) == 2 * 10
+    assert (
+        sum(r["batch_size"] == "4" for r in values) == 2 * 12 and sum(r["batch_size"] == "5" for r in values) == 2 * 10
+    )
 
     # Independent rebuild of the embedding: the MoCo query encoder (eval BN) of checkpoint_last.
     state = torch.load(tiny_moco / "checkpoint_last.pth", map_location="cpu", weights_only=False)
@@ -187,16 +270,31 @@ def test_npc_matches_a_per_anchor_brute_force(tiny_moco, synthetic_root, tmp_pat
 
 
 def test_npc_on_a_final_export_uses_backbone_features(tiny_moco, synthetic_root, tmp_path):
-    summary = npc.run(tiny_moco / "checkpoint_final.pth", tmp_path, data=str(synthetic_root / "imagenet" / "train"),
-                      batch_sizes=(4,), max_images=8)
+    summary = npc.run(
+        tiny_moco / "checkpoint_final.pth",
+        tmp_path,
+        data=str(synthetic_root / "imagenet" / "train"),
+        batch_sizes=(4,),
+        max_images=8,
+    )
     assert summary["embedding"].startswith("backbone") and summary["temperature"] == 0.2
     assert 0.0 <= summary["stats"][0]["p05"] <= summary["stats"][0]["p95"] <= 1.0
 
 
 # ------------------------------------------------------------------------------------ negatives
 def test_negatives_of_a_tiny_moco_run(tiny_moco, synthetic_root, tmp_path):
-    main(["negatives", str(tiny_moco), "--queries", "20", "--out", str(tmp_path),
-          "--data", str(synthetic_root / "imagenet" / "train")])
+    main(
+        [
+            "negatives",
+            str(tiny_moco),
+            "--queries",
+            "20",
+            "--out",
+            str(tmp_path),
+            "--data",
+            str(synthetic_root / "imagenet" / "train"),
+        ]
+    )
     rows = _csv(tmp_path / "negatives.csv")
     queue = torch.load(tiny_moco / "checkpoint_last.pth", map_location="cpu", weights_only=False)["method"]["queue"]
     assert sum(r["kind"] == "negative" for r in rows) == queue.shape[1] == 64
@@ -215,8 +313,9 @@ def test_negative_banks_are_read_as_unit_rows():
     key, got = negatives.find_negatives({"queue": queue, "queue_ptr": torch.tensor(0)}, Path("x.pth"))
     assert key == "queue" and torch.allclose(got, queue.T)
     raw = torch.randn(d, k) * 7  # AdCo keeps W raw; the loss uses W_k / ‖W_k‖
-    key, got = negatives.find_negatives({"bank.weight": raw, "bank.momentum_buffer": raw, "filled": torch.tensor(6)},
-                                        Path("x.pth"))
+    key, got = negatives.find_negatives(
+        {"bank.weight": raw, "bank.momentum_buffer": raw, "filled": torch.tensor(6)}, Path("x.pth")
+    )
     assert key == "bank.weight" and torch.allclose(got, (raw / raw.norm(dim=0)).T)
     with pytest.raises(AnalysisError, match=r"x.pth: no stored negatives .*'queue', 'bank.weight'"):
         negatives.find_negatives({"encoder.weight": raw}, Path("x.pth"))

@@ -4,9 +4,9 @@ docs/methods.md (Augmentation recipes); a whole view against a torchvision-funct
 reproducibility whatever the batch composition, batch size or number of workers."""
 
 import itertools
-from collections import Counter
 import math
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -38,12 +38,15 @@ def per_sample(fn, x, *params):
     return torch.stack([fn(x[i], *(float(p[i]) for p in params)) for i in range(x.shape[0])])
 
 
-@pytest.mark.parametrize("ours, theirs, lo, hi", [
-    (A.adjust_brightness, TF.adjust_brightness, 0.0, 1.8),
-    (A.adjust_contrast, TF.adjust_contrast, 0.0, 1.8),
-    (A.adjust_saturation, TF.adjust_saturation, 0.0, 1.8),
-    (A.adjust_hue, TF.adjust_hue, -0.5, 0.5),
-])
+@pytest.mark.parametrize(
+    "ours, theirs, lo, hi",
+    [
+        (A.adjust_brightness, TF.adjust_brightness, 0.0, 1.8),
+        (A.adjust_contrast, TF.adjust_contrast, 0.0, 1.8),
+        (A.adjust_saturation, TF.adjust_saturation, 0.0, 1.8),
+        (A.adjust_hue, TF.adjust_hue, -0.5, 0.5),
+    ],
+)
 def test_color_ops_equal_torchvision_per_sample(ours, theirs, lo, hi):
     x = images()
     factor = torch.linspace(lo, hi, x.shape[0])  # includes the ends (0: black / gray; ±0.5 hue)
@@ -79,8 +82,9 @@ def test_grayscale_and_solarize_stages_apply_torchvision_to_the_chosen_samples()
     torch.testing.assert_close(gray, ref, atol=0, rtol=0)
     # The uint8 threshold (128) means the same as on the uint8 image: compare with torchvision on uint8.
     u8 = (x * 255).round().to(torch.uint8)
-    sol = A.SolarizeStage(v2.RandomSolarize(threshold=128)).apply(TF.to_dtype(u8, torch.float32, scale=True),
-                                                                  {"apply": apply})
+    sol = A.SolarizeStage(v2.RandomSolarize(threshold=128)).apply(
+        TF.to_dtype(u8, torch.float32, scale=True), {"apply": apply}
+    )
     ref = torch.stack([TF.solarize(u8[i], 128) if a else u8[i] for i, a in enumerate(apply)])
     torch.testing.assert_close(sol * 255, ref.float(), atol=1e-4, rtol=0)
     assert (ref != u8).any() and (ref == u8).any()  # some pixels above, some below the threshold
@@ -91,14 +95,20 @@ def test_color_jitter_stage_applies_the_four_ops_in_each_samples_order(path):
     x = images(b=8)
     stage = A.ColorJitterStage(v2.ColorJitter(0.8, 0.8, 0.8, 0.2), p=0.8)
     perms = list(itertools.permutations(range(4)))
-    params = {"apply": torch.tensor([True] * 7 + [False]),
-              "order": torch.tensor([perms[i] for i in (0, 5, 11, 17, 23, 7, 13, 2)]),
-              "brightness": torch.tensor([0.3, 1.7, 1.2, 0.8, 1.5, 0.5, 1.0, 1.6]),
-              "contrast": torch.tensor([1.6, 0.4, 0.9, 1.8, 0.2, 1.1, 1.3, 0.3]),
-              "saturation": torch.tensor([0.5, 1.4, 0.0, 1.2, 1.8, 0.7, 0.2, 1.5]),
-              "hue": torch.tensor([0.2, -0.1, 0.05, -0.2, 0.15, 0.0, -0.05, 0.1])}
-    fns = [(TF.adjust_brightness, "brightness"), (TF.adjust_contrast, "contrast"),
-           (TF.adjust_saturation, "saturation"), (TF.adjust_hue, "hue")]
+    params = {
+        "apply": torch.tensor([True] * 7 + [False]),
+        "order": torch.tensor([perms[i] for i in (0, 5, 11, 17, 23, 7, 13, 2)]),
+        "brightness": torch.tensor([0.3, 1.7, 1.2, 0.8, 1.5, 0.5, 1.0, 1.6]),
+        "contrast": torch.tensor([1.6, 0.4, 0.9, 1.8, 0.2, 1.1, 1.3, 0.3]),
+        "saturation": torch.tensor([0.5, 1.4, 0.0, 1.2, 1.8, 0.7, 0.2, 1.5]),
+        "hue": torch.tensor([0.2, -0.1, 0.05, -0.2, 0.15, 0.0, -0.05, 0.1]),
+    }
+    fns = [
+        (TF.adjust_brightness, "brightness"),
+        (TF.adjust_contrast, "contrast"),
+        (TF.adjust_saturation, "saturation"),
+        (TF.adjust_hue, "hue"),
+    ]
     ref = []
     for i in range(8):
         y = x[i]
@@ -141,8 +151,12 @@ RECIPE_DRAWS = {
     ("byol", 0): {"jitter": (0.8, 0.4, 0.4, 0.2, 0.1), "gray": 0.2, "blur": 1.0, "solarize": 0.0},
     ("byol", 1): {"jitter": (0.8, 0.4, 0.4, 0.2, 0.1), "gray": 0.2, "blur": 0.1, "solarize": 0.2},
 }
-STAGE_NAMES = {A.ColorJitterStage: "jitter", A.GrayscaleStage: "gray", A.GaussianBlurStage: "blur",
-               A.SolarizeStage: "solarize"}
+STAGE_NAMES = {
+    A.ColorJitterStage: "jitter",
+    A.GrayscaleStage: "gray",
+    A.GaussianBlurStage: "blur",
+    A.SolarizeStage: "solarize",
+}
 
 
 @pytest.mark.parametrize("recipe, view", sorted(RECIPE_DRAWS))
@@ -180,12 +194,16 @@ def test_finish_equals_torchvision_functional_reference(recipe, view):
     b = 64
     crops = (images(b, 24, 24, seed=3) * 255).round().to(torch.uint8)
     u = torch.rand(b, t.n_uniforms, generator=torch.Generator().manual_seed(2))
-    fns = [(TF.adjust_brightness, "brightness"), (TF.adjust_contrast, "contrast"),
-           (TF.adjust_saturation, "saturation"), (TF.adjust_hue, "hue")]
+    fns = [
+        (TF.adjust_brightness, "brightness"),
+        (TF.adjust_contrast, "contrast"),
+        (TF.adjust_saturation, "saturation"),
+        (TF.adjust_hue, "hue"),
+    ]
     ref = []
     for i in range(b):
         y = TF.to_dtype(crops[i], torch.float32, scale=True)
-        for stage, params in zip(t.stages, t.params(u[i:i + 1])):
+        for stage, params in zip(t.stages, t.params(u[i : i + 1])):
             if not params["apply"][0]:
                 continue
             name = STAGE_NAMES[type(stage)]
@@ -208,8 +226,13 @@ def test_flip_commutes_with_every_colour_op():
     """Why the recipes' trailing flip may run before the colour ops (stage 1)."""
     x, flip = images(4, 16, 20), lambda y: y.flip(-1)
     f = torch.tensor([0.3, 0.9, 1.4, 1.8])
-    for op, p in [(A.adjust_brightness, f), (A.adjust_contrast, f), (A.adjust_saturation, f),
-                  (A.adjust_hue, f - 1.3), (lambda y, s: A.gaussian_blur(y, 5, s), f)]:
+    for op, p in [
+        (A.adjust_brightness, f),
+        (A.adjust_contrast, f),
+        (A.adjust_saturation, f),
+        (A.adjust_hue, f - 1.3),
+        (lambda y, s: A.gaussian_blur(y, 5, s), f),
+    ]:
         torch.testing.assert_close(op(flip(x), p), flip(op(x, p)), atol=ATOL, rtol=0)
 
 
@@ -222,8 +245,10 @@ def test_single_image_call_equals_batched_finish_of_its_draws():
     crop, u = t.sample(image)
     assert crop.dtype == torch.uint8 and crop.shape == (3, 24, 24) and u.shape == (t.n_uniforms,)
     others = torch.randint(0, 256, (5, 3, 24, 24), dtype=torch.uint8)
-    batch = t.finish(torch.cat([others[:2], crop[None], others[2:]]),
-                     torch.cat([torch.rand(2, t.n_uniforms), u[None], torch.rand(3, t.n_uniforms)]))
+    batch = t.finish(
+        torch.cat([others[:2], crop[None], others[2:]]),
+        torch.cat([torch.rand(2, t.n_uniforms), u[None], torch.rand(3, t.n_uniforms)]),
+    )
     assert type(single) is torch.Tensor and torch.equal(batch[2], single)
 
 

@@ -46,8 +46,10 @@ def test_presets_equal_the_hand_written_pipelines_bit_for_bit(synthetic_root, pr
 def test_multicrop_equals_the_hand_written_pipeline(synthetic_root):
     root = synthetic_root / "imagenet" / "train"
     args = (48, [48, 32, 16], [0.2, 0.15, 0.1], [1.0, 0.8, 0.5], 0.3)
-    ours, ref = (ImageDataset(root, build(*args), seed=1)
-                 for build in (build_multicrop_transforms, reference.build_multicrop_transforms))
+    ours, ref = (
+        ImageDataset(root, build(*args), seed=1)
+        for build in (build_multicrop_transforms, reference.build_multicrop_transforms)
+    )
     got, want = _views(ours, 1, [3, 9, 100]), _views(ref, 1, [3, 9, 100])
     assert [g.shape[-1] for g in got] == [48, 48, 32, 16]
     assert all(torch.equal(g, w) for g, w in zip(got, want))
@@ -63,11 +65,12 @@ def test_a_recipe_builds_the_views_of_its_config(synthetic_root):
 
 # ------------------------------------------------------------------------------ custom views
 
+
 def _asymmetric_image(path: Path, size: int = 48) -> None:
     """Black left half, white right half, and a bright square at angle 0 from the centre."""
     img = np.zeros((size, size, 3), dtype=np.uint8)
-    img[:, size // 2:] = 90
-    img[size // 2 - 2:size // 2 + 2, size - 10:size - 6] = 255
+    img[:, size // 2 :] = 90
+    img[size // 2 - 2 : size // 2 + 2, size - 10 : size - 6] = 255
     Image.fromarray(img).save(path)
 
 
@@ -124,11 +127,22 @@ def test_custom_pipeline_on_grayscale_images_trains_end_to_end(tmp_path):
     rng = np.random.default_rng(0)
     for i in range(16):
         Image.fromarray(rng.integers(0, 255, (40, 40), dtype=np.uint8), mode="L").save(data / f"{i}.png")
-    views = ("data.views=[{crop: {scale: [0.5, 1.0]}, rotation: {degrees: 15}, "
-             "affine: {p: 0.5, translate: [0.1, 0.1], scale: [0.9, 1.1]}, grayscale: {p: 1.0}}]")
-    cfg = load_config(RECIPES / "tiny_simclr.yaml", [f"data.root={data.parent}", f"train.output_dir={tmp_path / 'out'}",
-                                                     "train.max_steps=2", "train.batch_size=8", "data.num_workers=0",
-                                                     "data.image_size=32", views])
+    views = (
+        "data.views=[{crop: {scale: [0.5, 1.0]}, rotation: {degrees: 15}, "
+        "affine: {p: 0.5, translate: [0.1, 0.1], scale: [0.9, 1.1]}, grayscale: {p: 1.0}}]"
+    )
+    cfg = load_config(
+        RECIPES / "tiny_simclr.yaml",
+        [
+            f"data.root={data.parent}",
+            f"train.output_dir={tmp_path / 'out'}",
+            "train.max_steps=2",
+            "train.batch_size=8",
+            "data.num_workers=0",
+            "data.image_size=32",
+            views,
+        ],
+    )
     assert list(cfg.data.views[0]) == ["crop", "rotation", "affine", "grayscale"] and len(cfg.data.views) == 2
     assert train(cfg, Accelerator(cpu=True)).is_file()
     sample = ImageDataset(data.parent, METHODS[cfg.method.name].view_transforms(cfg))[0][0][0]
@@ -137,15 +151,19 @@ def test_custom_pipeline_on_grayscale_images_trains_end_to_end(tmp_path):
 
 # ------------------------------------------------------------------------------ bad declarations
 
-@pytest.mark.parametrize("override,message", [
-    ("data.views.0.twirl.p=0.5", "data.views.0.twirl: unknown op; expected one of crop, hflip"),
-    ("data.views.0.jitter.brightnes=0.3", "data.views.0.jitter.brightnes: unknown parameter; allowed: brightness"),
-    ("data.views.1.grayscale.p=1.5", "data.views.1.grayscale.p=1.5: expected a probability in [0, 1]"),
-    ("data.views.0.crop.interpolation=lanczos", "data.views.0.crop.interpolation='lanczos': expected one of"),
-    ("data.views.5.hflip.p=0", "data.views.5: expected 'all' or a view index below 2"),
-    ("data.augmentation=randaug", "data.augmentation='randaug': expected one of mocov1, mocov2"),
-    ("data.views.0.blur.sigma=[-1.0,2.0]", "data.views.0.blur: "),
-])
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.views.0.twirl.p=0.5", "data.views.0.twirl: unknown op; expected one of crop, hflip"),
+        ("data.views.0.jitter.brightnes=0.3", "data.views.0.jitter.brightnes: unknown parameter; allowed: brightness"),
+        ("data.views.1.grayscale.p=1.5", "data.views.1.grayscale.p=1.5: expected a probability in [0, 1]"),
+        ("data.views.0.crop.interpolation=lanczos", "data.views.0.crop.interpolation='lanczos': expected one of"),
+        ("data.views.5.hflip.p=0", "data.views.5: expected 'all' or a view index below 2"),
+        ("data.augmentation=randaug", "data.augmentation='randaug': expected one of mocov1, mocov2"),
+        ("data.views.0.blur.sigma=[-1.0,2.0]", "data.views.0.blur: "),
+    ],
+)
 def test_bad_declarations_fail_in_one_line(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(RECIPES / "tiny_mocov2.yaml", [override])
@@ -153,9 +171,15 @@ def test_bad_declarations_fail_in_one_line(override, message):
 
 
 def test_edits_all_views_or_one_and_removes_with_null():
-    cfg = load_config(RECIPES / "tiny_mocov2.yaml",
-                      ["data.augmentation=byol", "data.views.all.jitter.p=0.5", "data.views.1.solarize=null",
-                       "data.views.0.vflip.p=0.3"])
+    cfg = load_config(
+        RECIPES / "tiny_mocov2.yaml",
+        [
+            "data.augmentation=byol",
+            "data.views.all.jitter.p=0.5",
+            "data.views.1.solarize=null",
+            "data.views.0.vflip.p=0.3",
+        ],
+    )
     v0, v1 = cfg.data.views
     assert v0.jitter.p == v1.jitter.p == 0.5 and v0.jitter.brightness == 0.4
     assert "solarize" not in v1 and v0.solarize.p == 0.0 and list(v0)[-1] == "vflip"

@@ -10,9 +10,17 @@ from torchvision import transforms as T1  # v1 transforms: an independent refere
 from torchvision.transforms import v2
 
 from pretrain import data
-from pretrain.data import (BadImageTracker, ImageDataset, ShardedSampler, build_loader,
-                           build_multicrop_transforms, build_view_transforms, collate, eval_transform,
-                           set_loader_epoch)
+from pretrain.data import (
+    BadImageTracker,
+    ImageDataset,
+    ShardedSampler,
+    build_loader,
+    build_multicrop_transforms,
+    build_view_transforms,
+    collate,
+    eval_transform,
+    set_loader_epoch,
+)
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 BILINEAR, BICUBIC = v2.InterpolationMode.BILINEAR, v2.InterpolationMode.BICUBIC
@@ -30,8 +38,12 @@ def describe(pipeline):
             interp = v2.InterpolationMode(op.interpolation)
             out.append(("crop", tuple(op.size), tuple(op.scale), interp))
         elif isinstance(op, v2.ColorJitter):
-            s = [round(op.brightness[1] - 1, 6), round(op.contrast[1] - 1, 6),
-                 round(op.saturation[1] - 1, 6), round(op.hue[1], 6)]
+            s = [
+                round(op.brightness[1] - 1, 6),
+                round(op.contrast[1] - 1, 6),
+                round(op.saturation[1] - 1, 6),
+                round(op.hue[1], 6),
+            ]
             out.append(("jitter", *s, p))
         elif isinstance(op, v2.RandomGrayscale):
             out.append(("gray", op.p))
@@ -47,8 +59,14 @@ def describe(pipeline):
 def tail_is_float_normalize(pipeline):
     ops = [op for op in pipeline.transforms if not isinstance(op, v2.ToPureTensor)]
     to_dtype, norm = ops[-2], ops[-1]
-    return (isinstance(to_dtype, v2.ToDtype) and to_dtype.scale and to_dtype.dtype == torch.float32
-            and isinstance(norm, v2.Normalize) and tuple(norm.mean) == MEAN and tuple(norm.std) == STD)
+    return (
+        isinstance(to_dtype, v2.ToDtype)
+        and to_dtype.scale
+        and to_dtype.dtype == torch.float32
+        and isinstance(norm, v2.Normalize)
+        and tuple(norm.mean) == MEAN
+        and tuple(norm.std) == STD
+    )
 
 
 # Written from docs/methods.md (Augmentation recipes) at 224 px (blur kernel 23 = 10% of the side, odd).
@@ -56,12 +74,19 @@ CROP = lambda lo, interp=BILINEAR: ("crop", (224, 224), (lo, 1.0), interp)  # no
 BLUR = lambda p: ("blur", (23, 23), (0.1, 2.0), p)  # noqa: E731
 EXPECTED = {
     "mocov1": [[CROP(0.2), ("gray", 0.2), ("jitter", 0.4, 0.4, 0.4, 0.4, 1.0), ("flip", 0.5)]] * 2,
-    "mocov2": [[CROP(0.2), ("jitter", 0.4, 0.4, 0.4, 0.1, 0.8), ("gray", 0.2), BLUR(0.5),
-                ("flip", 0.5)]] * 2,
-    "simclr": [[CROP(0.08), ("flip", 0.5), ("jitter", 0.8, 0.8, 0.8, 0.2, 0.8), ("gray", 0.2),
-                BLUR(0.5)]] * 2,
-    "byol": [[CROP(0.08, BICUBIC), ("flip", 0.5), ("jitter", 0.4, 0.4, 0.2, 0.1, 0.8), ("gray", 0.2),
-              BLUR(blur_p), ("solarize", 128, sol_p)] for blur_p, sol_p in ((1.0, 0.0), (0.1, 0.2))],
+    "mocov2": [[CROP(0.2), ("jitter", 0.4, 0.4, 0.4, 0.1, 0.8), ("gray", 0.2), BLUR(0.5), ("flip", 0.5)]] * 2,
+    "simclr": [[CROP(0.08), ("flip", 0.5), ("jitter", 0.8, 0.8, 0.8, 0.2, 0.8), ("gray", 0.2), BLUR(0.5)]] * 2,
+    "byol": [
+        [
+            CROP(0.08, BICUBIC),
+            ("flip", 0.5),
+            ("jitter", 0.4, 0.4, 0.2, 0.1, 0.8),
+            ("gray", 0.2),
+            BLUR(blur_p),
+            ("solarize", 128, sol_p),
+        ]
+        for blur_p, sol_p in ((1.0, 0.0), (0.1, 0.2))
+    ],
 }
 
 
@@ -76,8 +101,7 @@ def test_recipe_parameters_match_methods_md(recipe):
 @pytest.mark.parametrize("recipe", sorted(EXPECTED))
 def test_min_crop_scale_replaces_only_the_crop_floor(recipe):
     views = build_view_transforms(recipe, 224, min_crop_scale=0.5)
-    expected = [[("crop", d[1], (0.5, 1.0), d[3]) if d[0] == "crop" else d for d in view]
-                for view in EXPECTED[recipe]]
+    expected = [[("crop", d[1], (0.5, 1.0), d[3]) if d[0] == "crop" else d for d in view] for view in EXPECTED[recipe]]
     assert [describe(t) for t in views] == expected
     key = describe(build_multicrop_transforms(224, key_min_scale=0.5)[0])[0]
     assert key[2] == (0.5, 1.0)
@@ -101,15 +125,27 @@ def test_unknown_recipe_lists_allowed_names():
 def test_multicrop_is_adco_at_224_and_scales_down():
     crops = build_multicrop_transforms(224)
     got = [describe(t) for t in crops]
-    ref = [(224, 0.2, 1.0), (224, 0.2, 1.0), (192, 0.172, 0.86), (160, 0.143, 0.715),
-           (128, 0.114, 0.571), (96, 0.086, 0.429)]
+    ref = [
+        (224, 0.2, 1.0),
+        (224, 0.2, 1.0),
+        (192, 0.172, 0.86),
+        (160, 0.143, 0.715),
+        (128, 0.114, 0.571),
+        (96, 0.086, 0.429),
+    ]
     assert [(d[0][1][0], *d[0][2]) for d in got] == ref
     for d in got:  # aug+ on every crop
         assert [x[0] for x in d] == ["crop", "jitter", "gray", "blur", "flip"]
         assert d[1] == ("jitter", 0.4, 0.4, 0.4, 0.1, 0.8) and d[2] == ("gray", 0.2) and d[3][3] == 0.5
     image = Image.new("RGB", (80, 70), (10, 200, 30))
-    assert [tuple(t(image).shape) for t in build_multicrop_transforms(64)] == \
-        [(3, 64, 64), (3, 64, 64), (3, 55, 55), (3, 46, 46), (3, 37, 37), (3, 27, 27)]
+    assert [tuple(t(image).shape) for t in build_multicrop_transforms(64)] == [
+        (3, 64, 64),
+        (3, 64, 64),
+        (3, 55, 55),
+        (3, 46, 46),
+        (3, 37, 37),
+        (3, 27, 27),
+    ]
     with pytest.raises(ValueError, match="same length"):
         build_multicrop_transforms(64, sizes=[32, 16], min_scales=[0.2], max_scales=[1.0])
 
@@ -141,6 +177,7 @@ def test_eval_transform_normalizes_and_center_crops():
 
 
 # ------------------------------------------------------------------------------ dataset
+
 
 @pytest.fixture
 def train_root(synthetic_root):
@@ -303,6 +340,7 @@ def test_missing_or_empty_root_errors_name_the_root(tmp_path):
 
 
 # ------------------------------------------------------------------------------ sampler
+
 
 def test_sampler_shards_are_disjoint_interleaved_slices_of_one_permutation():
     n, world, b = 103, 3, 4

@@ -28,7 +28,7 @@ def _dcl_loop(z1_all, z2_all, rows, tau, weights=None):
     for k in (0, 1):
         for n, i in enumerate(rows):
             anchor = views[k][i]
-            negatives = [views[l][j] for l in (0, 1) for j in range(len(views[0])) if j != i]
+            negatives = [views[v][j] for v in (0, 1) for j in range(len(views[0])) if j != i]
             w = 1.0 if weights is None else weights[n]
             positive = dot(views[0][i], views[1][i])
             losses.append(-w * positive / tau + math.log(sum(math.exp(dot(anchor, v) / tau) for v in negatives)))
@@ -58,8 +58,11 @@ def test_mocov2_dcl_is_minus_positive_plus_logsumexp_over_the_queue():
     q, k = _unit(4, 128, 3), _unit(4, 128, 4)
     loss, logs = method.contrast_with_queue(q, k)
     queue, tau = method.queue.T.tolist(), cfg.method.temperature
-    ref = [-(qi @ ki).item() / tau + math.log(sum(math.exp(sum(a * c for a, c in zip(qi.tolist(), col)) / tau)
-                                                  for col in queue)) for qi, ki in zip(q, k)]
+    ref = [
+        -(qi @ ki).item() / tau
+        + math.log(sum(math.exp(sum(a * c for a, c in zip(qi.tolist(), col)) / tau) for col in queue))
+        for qi, ki in zip(q, k)
+    ]
     assert loss.item() == pytest.approx(sum(ref) / 4, rel=1e-12)
     assert logs["infonce"].item() > loss.item()  # InfoNCE adds the positive to the denominator
 
@@ -108,8 +111,10 @@ def test_dcl_gradient_has_no_npc_multiplier():
     tau = 0.2
     u = torch.tensor([[0.6, 0.8, 0.0]], dtype=torch.float64)
     grads = {}
-    for name, negatives in {"far": [[0.0, -1.0, 0.0], [-1.0, 0.0, 0.0]],
-                            "near": [[0.8, 0.6, 0.0], [0.0, 0.6, 0.8]]}.items():
+    for name, negatives in {
+        "far": [[0.0, -1.0, 0.0], [-1.0, 0.0, 0.0]],
+        "near": [[0.8, 0.6, 0.0], [0.0, 0.6, 0.8]],
+    }.items():
         v = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
         n = torch.tensor(negatives, dtype=torch.float64)
         neg = u @ n.T
@@ -133,8 +138,9 @@ def test_dclw_weights_are_global_unless_the_per_process_flag_asks():
     from pretrain.methods.base import LOSSES
 
     pos = _unit(6, 4, 13) @ _unit(1, 4, 14).T
-    torch.testing.assert_close(dclw_weights(pos.squeeze(1), 0.5, per_process=True), dclw_weights(pos.squeeze(1), 0.5),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        dclw_weights(pos.squeeze(1), 0.5, per_process=True), dclw_weights(pos.squeeze(1), 0.5), rtol=0, atol=0
+    )
     flags = {}
     for overrides in ([], ["method.dclw_per_process=true"]):
         criterion = LOSSES["dclw"](load_config(RECIPES / "tiny_dclw.yaml", overrides).method)

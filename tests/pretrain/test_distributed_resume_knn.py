@@ -21,8 +21,9 @@ pytestmark = pytest.mark.multiprocess
 
 def _backbone() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten()).eval()
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+    ).eval()
 
 
 def _roots(out_dir: str) -> tuple[str, str]:
@@ -57,8 +58,10 @@ def _resume_on_local_disks(rank: int, out_dir: str, rank0_has_file: bool, other_
             return other_sees_it and real_is_file(path)
         return real_is_file(path)
 
-    with mock.patch.object(Path, "is_file", is_file), \
-            mock.patch.object(engine, "load_training_state", lambda *a, **k: 7):
+    with (
+        mock.patch.object(Path, "is_file", is_file),
+        mock.patch.object(engine, "load_training_state", lambda *a, **k: 7),
+    ):
         try:
             return engine.resume(cfg, accelerator, None, None, 10)
         except engine.ResumeError as e:
@@ -71,8 +74,9 @@ def check_resume_all_or_none(rank: int, out_dir: str) -> None:
     shared = _resume_on_local_disks(rank, out_dir, rank0_has_file=True, other_sees_it=True)
     assert shared == 7, shared  # a shared filesystem: every process resumes the same step
     local = _resume_on_local_disks(rank, out_dir, rank0_has_file=True, other_sees_it=False)
-    assert isinstance(local, str) and "is not visible to process 1" in local and "shared by all machines" in local, \
-        local  # rank 0 has it, rank 1 cannot see it: BOTH refuse (rank 1 would otherwise start from 0)
+    assert isinstance(local, str) and "is not visible to process 1" in local and "shared by all machines" in local, (
+        local
+    )  # rank 0 has it, rank 1 cannot see it: BOTH refuse (rank 1 would otherwise start from 0)
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

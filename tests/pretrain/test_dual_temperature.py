@@ -78,7 +78,7 @@ def _dt_loop(q, keys, tau_a, tau_b):
     losses = []
     for i in range(len(q)):
         s = [(q[i] @ keys[j]).item() for j in range(len(keys))]
-        pos, neg = s[i], s[:i] + s[i + 1:]
+        pos, neg = s[i], s[:i] + s[i + 1 :]
         p = {t: math.exp(pos / t) / (math.exp(pos / t) + sum(math.exp(x / t) for x in neg)) for t in (tau_a, tau_b)}
         losses.append((1 - p[tau_b]) / (1 - p[tau_a]) * -math.log(p[tau_a]))
     return sum(losses) / len(losses)
@@ -104,9 +104,14 @@ def test_simco_is_symmetric_dual_temperature_between_the_two_views_with_gradient
     # Keys carry gradient: dropping the key side's gradient changes the parameter gradients.
     full = torch.autograd.grad(out["loss"], list(method.encoder.parameters()))
     z1, z2 = (F.normalize(method.encoder(x), dim=1) for x in (x1, x2))
-    half = torch.autograd.grad(0.5 * (dual_temperature_nce(*_pairs(z1, z2.detach()), tau_a, tau_b)
-                                      + dual_temperature_nce(*_pairs(z2, z1.detach()), tau_a, tau_b)),
-                               list(method.encoder.parameters()))
+    half = torch.autograd.grad(
+        0.5
+        * (
+            dual_temperature_nce(*_pairs(z1, z2.detach()), tau_a, tau_b)
+            + dual_temperature_nce(*_pairs(z2, z1.detach()), tau_a, tau_b)
+        ),
+        list(method.encoder.parameters()),
+    )
     assert max((a - b).abs().max().item() for a, b in zip(full, half)) > 1e-6
 
 
@@ -119,14 +124,20 @@ def _pairs(q, keys):
 def test_simmoco_contrasts_queries_with_momentum_keys_of_the_batch():
     cfg, method = _tiny("tiny_simmoco")
     assert (cfg.method.loss, cfg.method.momentum, cfg.method.eqco_alpha, cfg.method.head) == (
-        "dual_temperature", 0.99, None, "mlp")
+        "dual_temperature",
+        0.99,
+        None,
+        "mlp",
+    )
     g = torch.Generator().manual_seed(2)
     x1, x2 = (torch.randn(6, 3, 8, 8, generator=g, dtype=torch.float64) for _ in range(2))
     with torch.no_grad():  # perturb the online encoder so that the EMA step is visible
         for p in method.encoder_q.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-        ema = {k: 0.99 * v + 0.01 * dict(method.encoder_q.named_parameters())[k]
-               for k, v in method.encoder_k.named_parameters()}
+        ema = {
+            k: 0.99 * v + 0.01 * dict(method.encoder_q.named_parameters())[k]
+            for k, v in method.encoder_k.named_parameters()
+        }
     out = method([x1, x2])
     for k, v in method.encoder_k.named_parameters():
         torch.testing.assert_close(v, ema[k], rtol=1e-12, atol=1e-14)

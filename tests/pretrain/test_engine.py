@@ -20,8 +20,23 @@ from pretrain.optim import LARS, lr_at
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
 TINY = sorted(p.stem for p in RECIPES.glob("tiny_*.yaml"))
-PAPER = ["mocov1", "mocov2", "mocov2_eqco", "simclr", "simclr_eqco", "simo", "simo_k16",
-         "dcl", "dclw", "mocov2_dcl", "simmoco", "simco", "adco", "adco_sym", "adco_multicrop"]
+PAPER = [
+    "mocov1",
+    "mocov2",
+    "mocov2_eqco",
+    "simclr",
+    "simclr_eqco",
+    "simo",
+    "simo_k16",
+    "dcl",
+    "dclw",
+    "mocov2_dcl",
+    "simmoco",
+    "simco",
+    "adco",
+    "adco_sym",
+    "adco_multicrop",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,30 +60,52 @@ def test_every_paper_recipe_and_its_tiny_version_resolve():
         cfg = _cfg(recipe)
         assert cfg.method.name in ("moco", "simclr", "simo", "simmoco", "simco", "adco")
     v1, v2 = _cfg("mocov1"), _cfg("mocov2")
-    assert (v1.method.head, v1.method.temperature, v1.data.augmentation, v1.optim.schedule) == ("linear", 0.07, "mocov1", "step")
-    assert (v2.method.head, v2.method.temperature, v2.data.augmentation, v2.optim.schedule) == ("mlp", 0.2, "mocov2", "cosine")
+    assert (v1.method.head, v1.method.temperature, v1.data.augmentation, v1.optim.schedule) == (
+        "linear",
+        0.07,
+        "mocov1",
+        "step",
+    )
+    assert (v2.method.head, v2.method.temperature, v2.data.augmentation, v2.optim.schedule) == (
+        "mlp",
+        0.2,
+        "mocov2",
+        "cosine",
+    )
     eqco = _cfg("mocov2_eqco")
     assert (eqco.method.eqco_alpha, eqco.method.num_negatives, eqco.method.queue_size) == (65536, 256, 65536)
     simclr = _cfg("simclr")
     assert (simclr.optim.name, simclr.optim.exclude_norm_bias, simclr.optim.per_step, simclr.method.head) == (
-        "lars", True, True, "mlp_bn")
+        "lars",
+        True,
+        True,
+        "mlp_bn",
+    )
     assert _cfg("simo").method.eqco_alpha == 256 and _cfg("simo_k16").method.num_negatives == 16
     tiny = _cfg("tiny_mocov1")  # inherits mocov1's method and _tiny's model
-    assert (tiny.method.head, tiny.model.arch, tiny.model.stem, tiny.name) == ("linear", "resnet18", "imagenet", "tiny_mocov1")
+    assert (tiny.method.head, tiny.model.arch, tiny.model.stem, tiny.name) == (
+        "linear",
+        "resnet18",
+        "imagenet",
+        "tiny_mocov1",
+    )
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["method.queue_sise=10"], "unknown key 'method.queue_sise'"),
-    (["train.batchsize=8"], "allowed keys under train"),
-    (["method.name=byol"], "method.name='byol': expected one of"),
-    (["method.queue_size=100"], "method.queue_size=100: expected a positive multiple of the 256 keys"),
-    (["method.num_negatives=70000"], "method.num_negatives=70000: expected 1..65536"),
-    (["data.augmentation=randaug"], "data.augmentation='randaug': expected one of"),
-    (["model.arch=vgg16"], "model.arch='vgg16'"),
-    (["train.batch_size"], "expected key=value"),
-    (["data.min_crop_scale=0"], "data.min_crop_scale=0: expected null"),
-    (["data.min_crop_scale=1.5"], "data.min_crop_scale=1.5: expected null"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["method.queue_sise=10"], "unknown key 'method.queue_sise'"),
+        (["train.batchsize=8"], "allowed keys under train"),
+        (["method.name=byol"], "method.name='byol': expected one of"),
+        (["method.queue_size=100"], "method.queue_size=100: expected a positive multiple of the 256 keys"),
+        (["method.num_negatives=70000"], "method.num_negatives=70000: expected 1..65536"),
+        (["data.augmentation=randaug"], "data.augmentation='randaug': expected one of"),
+        (["model.arch=vgg16"], "model.arch='vgg16'"),
+        (["train.batch_size"], "expected key=value"),
+        (["data.min_crop_scale=0"], "data.min_crop_scale=0: expected null"),
+        (["data.min_crop_scale=1.5"], "data.min_crop_scale=1.5: expected null"),
+    ],
+)
 def test_bad_configs_fail_with_one_clear_line(overrides, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(".", r"\.")):
         _cfg("mocov2", *overrides)
@@ -79,8 +116,11 @@ def test_batch_must_split_over_processes_and_cli_prints_one_line():
         _cfg("mocov2", num_processes=3)
     with pytest.raises(ConfigError, match=r"method\.num_negatives=600: expected 1\.\.510"):
         _cfg("simclr_eqco", "method.num_negatives=600")
-    res = subprocess.run([sys.executable, "-m", "pretrain", "--config", str(RECIPES / "mocov2.yaml"),
-                          "method.queue_size=1000"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "pretrain", "--config", str(RECIPES / "mocov2.yaml"), "method.queue_size=1000"],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode != 0 and res.stderr.count("\n") == 1 and "method.queue_size=1000" in res.stderr
 
 
@@ -108,11 +148,13 @@ def _digest(path: Path) -> str:
 
 @pytest.mark.parametrize("recipe", ["tiny_mocov2", "tiny_simclr"])
 def test_two_steps_restart_two_steps_equals_four_steps(accelerator, synthetic_root, tmp_path, recipe):
-    straight = torch.load(_run(accelerator, recipe, synthetic_root, tmp_path / "a", "train.max_steps=4"),
-                          weights_only=False)
+    straight = torch.load(
+        _run(accelerator, recipe, synthetic_root, tmp_path / "a", "train.max_steps=4"), weights_only=False
+    )
     _run(accelerator, recipe, synthetic_root, tmp_path / "b", "train.max_steps=2")
-    resumed = torch.load(_run(accelerator, recipe, synthetic_root, tmp_path / "b", "train.max_steps=4"),
-                         weights_only=False)
+    resumed = torch.load(
+        _run(accelerator, recipe, synthetic_root, tmp_path / "b", "train.max_steps=4"), weights_only=False
+    )
     assert resumed["step"] == straight["step"] == 4
     for key, value in straight["backbone"].items():
         assert torch.equal(value, resumed["backbone"][key]), key
@@ -126,9 +168,18 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(accelerator, s
     _run(accelerator, "tiny_simclr", synthetic_root, tmp_path, "train.max_steps=1")
     last = tmp_path / "checkpoint_last.pth"
     before = _digest(last)
-    with pytest.raises(NonFiniteLossError, match="non-finite loss .* at step [0-9]+ .*Last good checkpoint: .*checkpoint_last.pth"):
-        _run(accelerator, "tiny_simclr", synthetic_root, tmp_path, "train.max_steps=6", "optim.lr=1e38",
-             "train.checkpoint_every=1000")
+    with pytest.raises(
+        NonFiniteLossError, match="non-finite loss .* at step [0-9]+ .*Last good checkpoint: .*checkpoint_last.pth"
+    ):
+        _run(
+            accelerator,
+            "tiny_simclr",
+            synthetic_root,
+            tmp_path,
+            "train.max_steps=6",
+            "optim.lr=1e38",
+            "train.checkpoint_every=1000",
+        )
     assert _digest(last) == before
 
 
@@ -143,7 +194,9 @@ def test_lr_schedule_matches_hand_computed_values():
     assert lr_at(simclr, 0, 100) == pytest.approx(4.8 / 1000)
     assert lr_at(simclr, 499, 100) == pytest.approx(4.8 * 0.5)
     assert lr_at(simclr, 5500, 100) == pytest.approx(4.8 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
-    sqrt = _cfg("simclr", "optim.lr_scaling=sqrt", "optim.lr=4.8", "optim.reference_batch=4096", "train.batch_size=1024")
+    sqrt = _cfg(
+        "simclr", "optim.lr_scaling=sqrt", "optim.lr=4.8", "optim.reference_batch=4096", "train.batch_size=1024"
+    )
     assert lr_at(sqrt, 99, 10) == pytest.approx(0.075 * math.sqrt(1024))  # end of warmup: SimCLR's sqrt rule
     adco = _cfg("adco")  # AdCo's cosine ends at lr_final 0.0006: 0.0006 + ½(1 + cos(π·e/200))·(0.03 − 0.0006)
     assert [lr_at(adco, e * 10, 10) for e in (0, 100, 200)] == pytest.approx([0.03, 0.0153, 0.0006])
@@ -155,8 +208,12 @@ def test_lars_step_matches_the_formula():
     w, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
     w.grad, b.grad = torch.randn(4, 3), torch.randn(3)
     w0, b0 = w.detach().clone(), b.detach().clone()
-    opt = LARS([{"params": [w], "weight_decay": 0.1, "lars": True}, {"params": [b], "weight_decay": 0.0, "lars": False}],
-               lr=0.5, momentum=0.9, eta=0.01)
+    opt = LARS(
+        [{"params": [w], "weight_decay": 0.1, "lars": True}, {"params": [b], "weight_decay": 0.0, "lars": False}],
+        lr=0.5,
+        momentum=0.9,
+        eta=0.01,
+    )
     opt.step()
     g = w.grad + 0.1 * w0
     trust = 0.01 * w0.norm() / g.norm()

@@ -24,8 +24,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
 
 
 def _cfg(recipe: str, root: Path, out: Path, *overrides: str):
-    return load_config(RECIPES / f"{recipe}.yaml",
-                       [f"data.root={root}", f"train.output_dir={out}", *overrides])
+    return load_config(RECIPES / f"{recipe}.yaml", [f"data.root={root}", f"train.output_dir={out}", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +48,20 @@ def test_unreadable_images_above_the_limit_stop_the_run_naming_them(accelerator,
     for f in files[:3]:
         f.write_bytes(b"not an image" * 10)
     out = tmp_path / "run"
-    cfg = _cfg("tiny_simclr", small_copy, out, "train.batch_size=8", "train.epochs=1",
-               "data.max_bad_fraction=0.01")
+    cfg = _cfg("tiny_simclr", small_copy, out, "train.batch_size=8", "train.epochs=1", "data.max_bad_fraction=0.01")
     with pytest.raises(UserError, match="unreadable images") as e:
         train(cfg, accelerator)
     assert any(f.name in str(e.value) for f in files[:3]), str(e.value)
     assert not (out / "checkpoint_final.pth").exists()
     # Under the limit the same data trains to the end and reports the count.
-    cfg = _cfg("tiny_simclr", small_copy, tmp_path / "loose", "train.batch_size=8", "train.epochs=1",
-               "data.max_bad_fraction=0.5")
+    cfg = _cfg(
+        "tiny_simclr",
+        small_copy,
+        tmp_path / "loose",
+        "train.batch_size=8",
+        "train.epochs=1",
+        "data.max_bad_fraction=0.5",
+    )
     assert train(cfg, accelerator).is_file()
     listed = (tmp_path / "loose" / "unreadable_images.txt").read_text().splitlines()
     assert sorted(listed) == sorted(str(f) for f in files[:3])  # skip mode names every skipped file
@@ -71,8 +75,16 @@ def test_resume_that_does_not_fit_the_run_fails_clearly(accelerator, synthetic_r
     with pytest.raises(UserError, match=r"written with method=.*this run has method="):
         train(_cfg("tiny_simclr", root, out, "train.max_steps=2", "method.dim=64"), accelerator)
     with pytest.raises(UserError, match="is not a training checkpoint"):
-        train(_cfg("tiny_simclr", root, tmp_path / "other", "train.max_steps=2",
-                   f"train.resume={out / 'checkpoint_final.pth'}"), accelerator)
+        train(
+            _cfg(
+                "tiny_simclr",
+                root,
+                tmp_path / "other",
+                "train.max_steps=2",
+                f"train.resume={out / 'checkpoint_final.pth'}",
+            ),
+            accelerator,
+        )
     # A fitting resume still continues.
     train(_cfg("tiny_simclr", root, out, "train.max_steps=2"), accelerator)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -96,9 +108,21 @@ print("SEEN=" + json.dumps(seen))
 def test_bf16_autocast_trains_with_fp32_logits(synthetic_root, tmp_path):
     # A process of its own: Accelerate keeps one process-wide state, fixed at the first Accelerator.
     out = tmp_path / "bf16"
-    res = subprocess.run([sys.executable, "-c", BF16_RUN, "--config", str(RECIPES / "tiny_mocov2.yaml"),
-                          f"data.root={synthetic_root / 'imagenet' / 'train'}", f"train.output_dir={out}",
-                          "train.max_steps=2", "train.mixed_precision=bf16"], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BF16_RUN,
+            "--config",
+            str(RECIPES / "tiny_mocov2.yaml"),
+            f"data.root={synthetic_root / 'imagenet' / 'train'}",
+            f"train.output_dir={out}",
+            "train.max_steps=2",
+            "train.mixed_precision=bf16",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     seen = json.loads(res.stdout.rsplit("SEEN=", 1)[1])
     assert seen and all(p == n == "torch.float32" for p, n, _ in seen), seen
@@ -111,11 +135,20 @@ def test_knn_monitor_logs_the_weighted_knn_of_the_backbone(accelerator, syntheti
     train_dir, val_dir = synthetic_root / "imagenet" / "train", synthetic_root / "imagenet" / "val"
     out = tmp_path / "knn"
     k, t = 5, 0.1
-    cfg = _cfg("tiny_mocov2", train_dir, out, "train.epochs=1", f"knn.train_dir={train_dir}",
-               f"knn.val_dir={val_dir}", f"knn.k={k}", f"knn.temperature={t}")
+    cfg = _cfg(
+        "tiny_mocov2",
+        train_dir,
+        out,
+        "train.epochs=1",
+        f"knn.train_dir={train_dir}",
+        f"knn.val_dir={val_dir}",
+        f"knn.k={k}",
+        f"knn.temperature={t}",
+    )
     final = torch.load(train(cfg, accelerator), weights_only=False)
-    logged = [json.loads(line)["knn_top1"] for line in (out / "metrics.jsonl").read_text().splitlines()
-              if "knn_top1" in line]
+    logged = [
+        json.loads(line)["knn_top1"] for line in (out / "metrics.jsonl").read_text().splitlines() if "knn_top1" in line
+    ]
     assert len(logged) == 1
 
     # Reference: the exported backbone, and a per-query loop of weighted voting.

@@ -24,8 +24,19 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "configs" / "pretrain" / "tin
 
 
 def run(out: Path, root: Path, *overrides: str) -> None:
-    cli.main(["--config", RECIPE, f"data.root={root / 'imagenet' / 'train'}", f"train.output_dir={out}",
-              "train.batch_size=8", "data.num_workers=0", "train.log_every=1", "train.log_with=none", *overrides])
+    cli.main(
+        [
+            "--config",
+            RECIPE,
+            f"data.root={root / 'imagenet' / 'train'}",
+            f"train.output_dir={out}",
+            "train.batch_size=8",
+            "data.num_workers=0",
+            "train.log_every=1",
+            "train.log_with=none",
+            *overrides,
+        ]
+    )
 
 
 def fails(out: Path, root: Path, *overrides: str) -> str:
@@ -39,7 +50,8 @@ def fails(out: Path, root: Path, *overrides: str) -> str:
 def usable(path: Path) -> bool:
     params = [v for v in read_training_state(path)["method"].values() if v.is_floating_point()]
     return all(torch.isfinite(p).all() for p in params) and torch.isfinite(
-        sum(p.double().square().sum() for p in params))
+        sum(p.double().square().sum() for p in params)
+    )
 
 
 def steps_logged(out: Path) -> list[int]:
@@ -115,6 +127,7 @@ def test_leftovers_of_a_killed_run_are_cleaned(synthetic_root, tmp_path, capsys)
 
 # ------------------------------------------------------------------------------ launchers
 
+
 def test_one_process_instead_of_n_is_stopped_with_a_working_command(monkeypatch, tmp_path):
     # What `accelerate launch --cpu --num_processes 2` leaves in the single process it starts.
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
@@ -143,6 +156,7 @@ def test_mixed_precision_follows_the_launcher_unless_the_config_says_otherwise(m
 
 
 # ------------------------------------------------------------------------------ the command line
+
 
 @pytest.mark.parametrize("recipe", ["tiny_adco_multicrop", "mocov2"])
 def test_print_config_reloads_to_the_same_config(recipe, tmp_path, capsys):

@@ -238,7 +238,9 @@ def test_mi_lower_bound():
     assert math.isclose(mi_lower_bound(3.0, alpha), paper, rel_tol=1e-12)
     assert math.isclose(mi_lower_bound(3.0, k), math.log(k + 1) - 3.0)
     loss = torch.tensor(2.5)
-    assert math.isclose(InfoNCELoss(tau, alpha=alpha).mi_lower_bound(loss).item(), math.log1p(alpha) - 2.5, rel_tol=1e-6)
+    assert math.isclose(
+        InfoNCELoss(tau, alpha=alpha).mi_lower_bound(loss).item(), math.log1p(alpha) - 2.5, rel_tol=1e-6
+    )
     assert math.isclose(InfoNCELoss(tau).mi_lower_bound(2.5, k=255), math.log(256) - 2.5)
     with pytest.raises(ValueError, match="needs k"):
         InfoNCELoss(tau).mi_lower_bound(2.5)

@@ -20,12 +20,16 @@ def _knn(checkpoint, data) -> float:
 
 
 def test_brief_pretraining_beats_its_random_init_in_knn(brief_pretraining, capsys):
-    init, pretrained = _knn(brief_pretraining["init"], brief_pretraining), _knn(brief_pretraining["pretrained"],
-                                                                               brief_pretraining)
+    init, pretrained = (
+        _knn(brief_pretraining["init"], brief_pretraining),
+        _knn(brief_pretraining["pretrained"], brief_pretraining),
+    )
     monitor = [row["knn_top1"] for row in brief_pretraining["metrics"] if "knn_top1" in row]
     with capsys.disabled():
-        print(f"\nkNN top-1 (k 20, t 0.1, 64 px): random init {init:.1f} %, after pretraining {pretrained:.1f} % "
-              f"(engine's kNN monitor: {monitor[-1]:.1f} %)")
+        print(
+            f"\nkNN top-1 (k 20, t 0.1, 64 px): random init {init:.1f} %, after pretraining {pretrained:.1f} % "
+            f"(engine's kNN monitor: {monitor[-1]:.1f} %)"
+        )
     # The engine's monitor saw the same backbone: the exported checkpoint is what was trained.
     assert monitor[-1] == pytest.approx(pretrained, abs=1e-6)
     assert pretrained >= init + MARGIN

@@ -50,8 +50,8 @@ from torch import nn
 from pretrain import dist
 from pretrain.config import load_config
 from pretrain.losses import sample_negatives
-from pretrain.methods import base as methods_base
 from pretrain.methods import METHODS
+from pretrain.methods import base as methods_base
 from pretrain.models import Encoder, build_head, convert_sync_batchnorm
 
 from ..multiprocess_harness import WORLD, NaiveGather, Workers, assert_check_passed, ddp_average, rel_err
@@ -79,7 +79,7 @@ def _global_batch(seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.T
 
 
 def _local(x: torch.Tensor, r: int) -> torch.Tensor:
-    return x[r * N:(r + 1) * N]
+    return x[r * N : (r + 1) * N]
 
 
 # ---------------------------------------------------------------- SimCLR: 2 processes = 1 process
@@ -152,10 +152,17 @@ def _check_simclr_global_bn(r, out_dir):
     local_bn_loss, local_bn_grads = _simclr_grads(_simclr(WORLD).train(), [_local(x1, r), _local(x2, r)])
     ddp_average(local_bn_loss, *local_bn_grads.values())
     if r == 0:
-        torch.save({"loss": loss, "grads": grads, "buffers": buffers, "buffers_equal": buffers_equal,
-                    "local_bn_grads": local_bn_grads,
-                    "bn_types": sorted({type(m).__name__ for m in method.modules() if "Norm" in type(m).__name__})},
-                   os.path.join(out_dir, "simclr_global_bn.pt"))
+        torch.save(
+            {
+                "loss": loss,
+                "grads": grads,
+                "buffers": buffers,
+                "buffers_equal": buffers_equal,
+                "local_bn_grads": local_bn_grads,
+                "bn_types": sorted({type(m).__name__ for m in method.modules() if "Norm" in type(m).__name__}),
+            },
+            os.path.join(out_dir, "simclr_global_bn.pt"),
+        )
 
 
 # ---------------------------------------------------------------- MoCo: queue and shuffle BN
@@ -211,16 +218,18 @@ def _check_moco_queue(r, out_dir):
         loss.backward()
         ddp_average(*(p.grad for p in method.parameters() if p.grad is not None))
         optimizer.step()
-        records.append({
-            "ptr_before": ptr_before,
-            "ptr_after": int(method.queue_ptr),
-            "queue_before": queue_before,
-            "queue_after": method.queue.clone(),
-            "expected_keys": expected_keys,
-            "queue_equal": dist.all_ranks_equal(method.queue),
-            "ptr_equal": dist.all_ranks_equal(method.queue_ptr),
-            "queues_gathered": dist.gather_no_grad(method.queue.unsqueeze(0)),
-        })
+        records.append(
+            {
+                "ptr_before": ptr_before,
+                "ptr_after": int(method.queue_ptr),
+                "queue_before": queue_before,
+                "queue_after": method.queue.clone(),
+                "expected_keys": expected_keys,
+                "queue_equal": dist.all_ranks_equal(method.queue),
+                "ptr_equal": dist.all_ranks_equal(method.queue_ptr),
+                "queues_gathered": dist.gather_no_grad(method.queue.unsqueeze(0)),
+            }
+        )
 
     for step, rec in enumerate(records):
         where = f"step {step}"
@@ -230,13 +239,19 @@ def _check_moco_queue(r, out_dir):
         ptr = rec["ptr_before"]
         assert ptr == (step * B) % queue_size, f"{where}: queue_ptr {ptr}"
         assert rec["ptr_after"] == (ptr + B) % queue_size, f"{where}: queue_ptr after {rec['ptr_after']}"
-        written = rec["queue_after"][:, ptr:ptr + B].T  # (B, d): rows in rank order
-        torch.testing.assert_close(written, rec["expected_keys"], rtol=RTOL, atol=RTOL,
-                                   msg=lambda m: f"{where}: enqueued keys differ from the reference: {m}")
+        written = rec["queue_after"][:, ptr : ptr + B].T  # (B, d): rows in rank order
+        torch.testing.assert_close(
+            written,
+            rec["expected_keys"],
+            rtol=RTOL,
+            atol=RTOL,
+            msg=lambda m, where=where: f"{where}: enqueued keys differ from the reference: {m}",
+        )
         untouched = torch.ones(queue_size, dtype=torch.bool)
-        untouched[ptr:ptr + B] = False
-        assert torch.equal(rec["queue_after"][:, untouched], rec["queue_before"][:, untouched]), \
+        untouched[ptr : ptr + B] = False
+        assert torch.equal(rec["queue_after"][:, untouched], rec["queue_before"][:, untouched]), (
             f"{where}: columns outside [{ptr}, {ptr + B}) changed"
+        )
 
 
 def _check_shuffle_bn(r, out_dir):
@@ -274,8 +289,13 @@ CASE_RTOL = 1e-4
 
 def _tiny_build_encoder(arch, stem, head, dim, hidden_dim=None, bn_splits=1, out_bn=False) -> Encoder:
     """Stands in for pretrain.models.build_encoder: conv → BN → ReLU → pool, then the real head."""
-    backbone = nn.Sequential(nn.Conv2d(3, FEATURES, 3, padding=1, bias=False), nn.BatchNorm2d(FEATURES),
-                             nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    backbone = nn.Sequential(
+        nn.Conv2d(3, FEATURES, 3, padding=1, bias=False),
+        nn.BatchNorm2d(FEATURES),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+    )
     return Encoder(backbone, build_head(head, FEATURES, hidden_dim or FEATURES, dim, out_bn))
 
 
@@ -287,8 +307,9 @@ class _PerProcessBatchNorm(nn.modules.batchnorm._BatchNorm):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([F.batch_norm(chunk, None, None, self.weight, self.bias, True, 0.0, self.eps)
-                          for chunk in x.chunk(WORLD)])
+        return torch.cat(
+            [F.batch_norm(chunk, None, None, self.weight, self.bias, True, 0.0, self.eps) for chunk in x.chunk(WORLD)]
+        )
 
 
 def _per_process_bn(method: nn.Module) -> None:
@@ -315,12 +336,19 @@ CONTROLS: dict[str, tuple[tuple[str, ...], Callable[[], contextlib.AbstractConte
     # the official AdCo on several nodes: the positive's column from the local index only
     "local_offset": ((), lambda: mock.patch.object(dist, "rank_offset", lambda n_local: 0)),
     # each rank draws choices for its own rows only: with a shared seed both ranks draw the same ones
-    "draw_per_process": ((), lambda: mock.patch.object(
-        methods_base, "sample_negatives",
-        lambda neg, k, mode, row_offset=0, total_rows=None: sample_negatives(neg, k, mode))),
+    "draw_per_process": (
+        (),
+        lambda: mock.patch.object(
+            methods_base,
+            "sample_negatives",
+            lambda neg, k, mode, row_offset=0, total_rows=None: sample_negatives(neg, k, mode),
+        ),
+    ),
     # shuffle BN that never leaves the process: each key encoder normalizes its own samples
-    "no_shuffle": ((), lambda: mock.patch.object(dist, "shuffle_batch",
-                                                 lambda x: (x, torch.arange(WORLD * x.shape[0])))),
+    "no_shuffle": (
+        (),
+        lambda: mock.patch.object(dist, "shuffle_batch", lambda x: (x, torch.arange(WORLD * x.shape[0]))),
+    ),
 }
 
 
@@ -336,28 +364,42 @@ ADCO = ("method.bank_init=fill", f"method.bank_size={B}", "method.bn_splits=1") 
 CASES = {
     "simclr_dcl": Case("tiny_dcl", controls=("naive_gather",)),
     "simclr_dclw": Case("tiny_dclw", controls=("per_process_weights",)),
-    "simclr_dclw_undetached": Case("tiny_dclw", ("method.dclw_detach=false",),
-                                   controls=("per_process_weights", "naive_weight_gather")),
+    "simclr_dclw_undetached": Case(
+        "tiny_dclw", ("method.dclw_detach=false",), controls=("per_process_weights", "naive_weight_gather")
+    ),
     "simclr_eqco": Case("tiny_simclr_eqco", ("method.eqco_alpha=64",), controls=("naive_gather",)),
     "simo_eqco": Case("tiny_simo", controls=("local_offset",)),  # K = B − 1
     # per-query sampling: every rank draws the global batch's choices and keeps its own rows
-    "simo_sampled": Case("tiny_simo", ("method.num_negatives=3", "method.negative_sampling=per_query"),
-                         controls=("local_offset", "draw_per_process")),
+    "simo_sampled": Case(
+        "tiny_simo",
+        ("method.num_negatives=3", "method.negative_sampling=per_query"),
+        controls=("local_offset", "draw_per_process"),
+    ),
     "simmoco": Case("tiny_simmoco", controls=("local_offset",)),
     "simco": Case("tiny_simco", controls=("naive_gather",)),
     "moco": Case("tiny_mocov2", (f"method.queue_size={2 * B}", "method.bn_splits=1"), controls=("no_shuffle",)),
     "adco": Case("tiny_adco", ADCO, controls=("local_offset",)),
     "adco_symmetric": Case("tiny_adco_sym", ADCO, controls=("local_offset",)),
-    "adco_multicrop": Case("tiny_adco_multicrop", (*ADCO, "method.query_crops=[224,160]",
-                                                   "method.query_crop_min_scales=[0.2,0.2]",
-                                                   "method.query_crop_max_scales=[1,1]"),
-                           controls=("local_offset",), view_sizes=(SIZE_TINY, SIZE_TINY, 4)),
+    "adco_multicrop": Case(
+        "tiny_adco_multicrop",
+        (
+            *ADCO,
+            "method.query_crops=[224,160]",
+            "method.query_crop_min_scales=[0.2,0.2]",
+            "method.query_crop_max_scales=[1,1]",
+        ),
+        controls=("local_offset",),
+        view_sizes=(SIZE_TINY, SIZE_TINY, 4),
+    ),
 }
 
 
 def _build(case: Case, num_processes: int, extra: tuple[str, ...] = ()) -> nn.Module:
-    cfg = load_config(RECIPES / f"{case.recipe}.yaml", [f"train.batch_size={B}", f"data.image_size={SIZE_TINY}",
-                                                        "method.dim=8", *case.overrides, *extra], num_processes)
+    cfg = load_config(
+        RECIPES / f"{case.recipe}.yaml",
+        [f"train.batch_size={B}", f"data.image_size={SIZE_TINY}", "method.dim=8", *case.overrides, *extra],
+        num_processes,
+    )
     torch.manual_seed(0)  # the engine's set_seed: the same weights, queue and bank on every rank
     with contextlib.ExitStack() as stack:
         for module in ("adco", "moco", "simclr", "simco", "simo"):
@@ -389,7 +431,7 @@ def _run(case: Case, rank: int | None, control: str | None = None) -> dict:
     for step in range(STEPS):
         views = _case_views(case, step)
         if rank is not None:
-            views = [v[rank * N:(rank + 1) * N] for v in views]
+            views = [v[rank * N : (rank + 1) * N] for v in views]
         torch.manual_seed(100 + step)  # every rank as the reference: shuffle BN keeps rank 0's draw
         with patch():
             loss = method(views)["loss"]
@@ -406,9 +448,13 @@ def _run(case: Case, rank: int | None, control: str | None = None) -> dict:
         if step == 0:
             grads = {k: g.clone() for k, g in step_grads.items()}
     state = {k: v.clone() for k, v in method.named_buffers() if "running_" not in k and "num_batches" not in k}
-    return {"losses": torch.stack(losses), "grads": grads, "state": state,
-            "params": {k: p.detach().clone() for k, p in method.named_parameters()},
-            "moved": {k: p.detach() - initial[k] for k, p in method.named_parameters() if p.requires_grad}}
+    return {
+        "losses": torch.stack(losses),
+        "grads": grads,
+        "state": state,
+        "params": {k: p.detach().clone() for k, p in method.named_parameters()},
+        "moved": {k: p.detach() - initial[k] for k, p in method.named_parameters() if p.requires_grad},
+    }
 
 
 def _check_case(name: str, r: int, out_dir: str) -> None:
@@ -428,8 +474,13 @@ def _differences(got: dict, ref: dict) -> dict[str, float]:
     for part in ("grads", "params", "moved", "state"):
         assert got[part].keys() == ref[part].keys(), (part, sorted(got[part].keys() ^ ref[part].keys()))
         scale = max([v.double().abs().max().item() for v in ref[part].values() if v.numel()] or [0.0])
-        errors.update({f"{part}:{k}": (got[part][k].double() - v.double()).abs().max().item() / max(scale, 1e-30)
-                       for k, v in ref[part].items() if v.numel()})
+        errors.update(
+            {
+                f"{part}:{k}": (got[part][k].double() - v.double()).abs().max().item() / max(scale, 1e-30)
+                for k, v in ref[part].items()
+                if v.numel()
+            }
+        )
     return errors
 
 
@@ -561,9 +612,22 @@ def _start_engine_runs(synthetic_root: Path, tmp_path_factory) -> dict:
     for recipe in ENGINE_RECIPES:
         out = tmp_path_factory.mktemp(recipe)
         log = open(out.parent / f"{recipe}.log", "w+")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-               "-m", "pretrain", "--config", f"configs/pretrain/{recipe}.yaml", f"data.root={data}",
-               f"train.output_dir={out}", "train.max_steps=2", "train.resume=none"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(WORLD),
+            "-m",
+            "pretrain",
+            "--config",
+            f"configs/pretrain/{recipe}.yaml",
+            f"data.root={data}",
+            f"train.output_dir={out}",
+            "train.max_steps=2",
+            "train.resume=none",
+        ]
         # A session of its own: torchrun and its workers can be killed together (by process group).
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         procs[recipe] = (proc, log, out)

@@ -31,16 +31,31 @@ def test_paper_recipes_carry_the_paper_values_and_have_tiny_versions():
         assert (RECIPES / f"tiny_{recipe}.yaml").is_file(), recipe
         assert _cfg(f"tiny_{recipe}").method == _cfg(recipe, *_tiny_method_overrides(recipe)).method
     dcl, dclw = _cfg("dcl"), _cfg("dclw")
-    assert (dcl.method.name, dcl.method.loss, dcl.method.temperature, dcl.train.batch_size, dcl.train.epochs,
-            dcl.data.augmentation) == ("simclr", "dcl", 0.1, 256, 200, "simclr")
+    assert (
+        dcl.method.name,
+        dcl.method.loss,
+        dcl.method.temperature,
+        dcl.train.batch_size,
+        dcl.train.epochs,
+        dcl.data.augmentation,
+    ) == ("simclr", "dcl", 0.1, 256, 200, "simclr")
     assert (dclw.method.loss, dclw.method.dclw_sigma, dclw.method.dclw_detach) == ("dclw", 0.5, True)
     moco_dcl = _cfg("mocov2_dcl")
     assert (moco_dcl.method.name, moco_dcl.method.loss, moco_dcl.method.temperature, moco_dcl.method.queue_size) == (
-        "moco", "dcl", 0.2, 65536)
+        "moco",
+        "dcl",
+        0.2,
+        65536,
+    )
     for recipe in ("simmoco", "simco"):
         m = _cfg(recipe).method
         assert (m.name, m.loss, m.temperature, m.inter_temperature, m.head) == (
-            recipe, "dual_temperature", 0.1, 1.0, "mlp")
+            recipe,
+            "dual_temperature",
+            0.1,
+            1.0,
+            "mlp",
+        )
     assert _cfg("simmoco").method.momentum == 0.99 and not _cfg("simmoco").method.symmetric
 
 
@@ -53,13 +68,24 @@ def _tiny_method_overrides(recipe: str) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("recipe,overrides,expected", [
-    ("dcl", ["method.loss=dcll"], "method.loss='dcll': expected one of ['infonce', 'dcl', 'dclw', 'dual_temperature']"),
-    ("dcl", ["method.eqco_alpha=4096"], "method.eqco_alpha=4096: EqCo's margin applies to method.loss=infonce only"),
-    ("dclw", ["method.dclw_sigma=0"], "method.dclw_sigma=0: expected a positive number"),
-    ("simco", ["method.momentum=0.99"], "unknown key 'method.momentum' (method simco)"),
-    ("simco", ["method.inter_temperature=-1"], "method.inter_temperature=-1: expected a positive number"),
-])
+@pytest.mark.parametrize(
+    "recipe,overrides,expected",
+    [
+        (
+            "dcl",
+            ["method.loss=dcll"],
+            "method.loss='dcll': expected one of ['infonce', 'dcl', 'dclw', 'dual_temperature']",
+        ),
+        (
+            "dcl",
+            ["method.eqco_alpha=4096"],
+            "method.eqco_alpha=4096: EqCo's margin applies to method.loss=infonce only",
+        ),
+        ("dclw", ["method.dclw_sigma=0"], "method.dclw_sigma=0: expected a positive number"),
+        ("simco", ["method.momentum=0.99"], "unknown key 'method.momentum' (method simco)"),
+        ("simco", ["method.inter_temperature=-1"], "method.inter_temperature=-1: expected a positive number"),
+    ],
+)
 def test_bad_configs_fail_with_one_clear_line(recipe, overrides, expected):
     with pytest.raises(ConfigError) as e:
         _cfg(recipe, *overrides)
@@ -74,9 +100,16 @@ def accelerator():
 @pytest.mark.parametrize("recipe", [f"tiny_{r}" for r in PAPER])
 def test_tiny_recipe_trains_without_nan(accelerator, synthetic_root, tmp_path, recipe):
     method = _cfg(recipe).method.name
-    cfg = _cfg(recipe, f"data.root={synthetic_root / 'imagenet' / 'train'}", f"train.output_dir={tmp_path}",
-               "train.max_steps=3", "train.batch_size=8", "data.image_size=16", "train.diagnostics_every=2",
-               *SHRINK.get(method, []))
+    cfg = _cfg(
+        recipe,
+        f"data.root={synthetic_root / 'imagenet' / 'train'}",
+        f"train.output_dir={tmp_path}",
+        "train.max_steps=3",
+        "train.batch_size=8",
+        "data.image_size=16",
+        "train.diagnostics_every=2",
+        *SHRINK.get(method, []),
+    )
     final = torch.load(train(cfg, accelerator), weights_only=False)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -28,8 +28,10 @@ B, SIZE = 8, 16
 
 
 def _method(recipe: str, *overrides: str):
-    cfg = load_config(RECIPES / f"{recipe}.yaml", [f"train.batch_size={B}", f"data.image_size={SIZE}", "method.dim=8",
-                                                   "model.stem=small", *overrides])
+    cfg = load_config(
+        RECIPES / f"{recipe}.yaml",
+        [f"train.batch_size={B}", f"data.image_size={SIZE}", "method.dim=8", "model.stem=small", *overrides],
+    )
     torch.manual_seed(0)
     return METHODS[cfg.method.name](cfg, 1).train(), cfg
 
@@ -42,9 +44,11 @@ def _views(n_views: int = 2, step: int = 0) -> list[torch.Tensor]:
 @contextlib.contextmanager
 def no_host_reads():
     """Fail on every way Python code reads a tensor's value on the host (each is a GPU sync)."""
+
     def refuse(name):
         def method(*args, **kwargs):
             raise AssertionError(f"a step read a tensor on the host: Tensor.{name}")
+
         return method
 
     with contextlib.ExitStack() as stack:
@@ -55,8 +59,10 @@ def no_host_reads():
 
 STEP_CASES = {
     "mocov2": ("tiny_mocov2", ("method.queue_size=32", "method.bn_splits=1")),
-    "mocov2_eqco_sampled": ("tiny_mocov2_eqco", ("method.queue_size=32", "method.num_negatives=5",
-                                                 "method.bn_splits=1")),
+    "mocov2_eqco_sampled": (
+        "tiny_mocov2_eqco",
+        ("method.queue_size=32", "method.num_negatives=5", "method.bn_splits=1"),
+    ),
     "simclr": ("tiny_simclr", ()),
     "simo_sampled": ("tiny_simo", ("method.num_negatives=3",)),
     "simco": ("tiny_simco", ()),
@@ -105,6 +111,7 @@ def test_host_counters_follow_a_loaded_state():
 
 
 # ------------------------------------------------------------------------- fused updates
+
 
 def test_foreach_momentum_update_equals_the_loop_bit_for_bit():
     torch.manual_seed(0)
@@ -176,6 +183,7 @@ def test_split_batchnorm_under_channels_last_equals_nchw():
 
 # ------------------------------------------------------------------------- mixed precision
 
+
 def test_adco_ascent_is_skipped_with_the_networks_step():
     method, _ = _method("tiny_adco", "method.bank_init=fill", f"method.bank_size={B}", "method.bn_splits=1")
     method(_views(2, 0))
@@ -199,15 +207,23 @@ def test_gradient_norm_diagnostic_divides_out_the_loss_scale():
 
 # ------------------------------------------------------------------------- engine settings
 
+
 def test_speed_settings_are_validated():
     with pytest.raises(ConfigError, match="train.channels_last='fast': expected true, false or null"):
         load_config(RECIPES / "tiny_simclr.yaml", ["train.channels_last=fast"])
 
 
 def test_engine_runs_channels_last_on_cpu(synthetic_root, tmp_path, capsys):
-    cfg = load_config(RECIPES / "tiny_mocov2.yaml", [f"data.root={synthetic_root / 'imagenet' / 'train'}",
-                                                     f"train.output_dir={tmp_path}", "train.max_steps=2",
-                                                     "train.channels_last=true", "data.num_workers=0"])
+    cfg = load_config(
+        RECIPES / "tiny_mocov2.yaml",
+        [
+            f"data.root={synthetic_root / 'imagenet' / 'train'}",
+            f"train.output_dir={tmp_path}",
+            "train.max_steps=2",
+            "train.channels_last=true",
+            "data.num_workers=0",
+        ],
+    )
     train(cfg, Accelerator(cpu=True))
     assert "channels_last True | cudnn.benchmark False" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -216,15 +232,18 @@ def test_engine_runs_channels_last_on_cpu(synthetic_root, tmp_path, capsys):
 
 # ------------------------------------------------------------------------- colour on the device
 
+
 def test_colour_stage_on_the_device_equals_the_workers(synthetic_root):
     """Workers that send uint8 crops + draws, finished by the consumer, give the workers' views
     bit for bit (the device path runs here on CPU tensors)."""
-    from pretrain.data import (ImageDataset, build_multicrop_transforms, build_view_transforms, collate,
-                               finish_views)
+    from pretrain.data import ImageDataset, build_multicrop_transforms, build_view_transforms, collate, finish_views
 
     root = synthetic_root / "imagenet" / "train"
-    for views in (build_view_transforms("mocov2", 24), build_view_transforms("byol", 24),
-                  build_multicrop_transforms(32, [32, 16], [0.2, 0.1], [1.0, 0.5])):
+    for views in (
+        build_view_transforms("mocov2", 24),
+        build_view_transforms("byol", 24),
+        build_multicrop_transforms(32, [32, 16], [0.2, 0.1], [1.0, 0.5]),
+    ):
         workers = ImageDataset(root, views, seed=4)
         deferred = ImageDataset(root, views, seed=4, colour_on_device=True)
         for ds in (workers, deferred):
@@ -257,9 +276,16 @@ def test_prefetch_moves_one_batch_ahead_in_order():
 def test_engine_with_colour_on_device_trains_the_same_bits(synthetic_root, tmp_path):
     finals = []
     for flag in ("false", "true"):
-        cfg = load_config(RECIPES / "tiny_simclr.yaml", [f"data.root={synthetic_root / 'imagenet' / 'train'}",
-                                                         f"train.output_dir={tmp_path / flag}", "train.max_steps=2",
-                                                         "data.num_workers=0", f"data.colour_on_device={flag}",
-                                                         "train.batch_size=8"])
+        cfg = load_config(
+            RECIPES / "tiny_simclr.yaml",
+            [
+                f"data.root={synthetic_root / 'imagenet' / 'train'}",
+                f"train.output_dir={tmp_path / flag}",
+                "train.max_steps=2",
+                "data.num_workers=0",
+                f"data.colour_on_device={flag}",
+                "train.batch_size=8",
+            ],
+        )
         finals.append(torch.load(train(cfg, Accelerator(cpu=True)), weights_only=False)["backbone"])
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])

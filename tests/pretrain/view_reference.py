@@ -36,7 +36,8 @@ def _aug_plus(size: int, scale: tuple[float, float] = (0.2, 1.0)) -> ViewTransfo
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
         v2.RandomApply([v2.GaussianBlur(blur_kernel_size(size), sigma=SIGMA)], p=0.5),
-        v2.RandomHorizontalFlip())
+        v2.RandomHorizontalFlip(),
+    )
 
 
 def _byol(size: int, blur_p: float, solarize_p: float, scale: tuple[float, float] = (0.08, 1.0)) -> ViewTransform:
@@ -47,7 +48,8 @@ def _byol(size: int, blur_p: float, solarize_p: float, scale: tuple[float, float
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
         v2.RandomApply([v2.GaussianBlur(blur_kernel_size(size), sigma=SIGMA)], p=blur_p),
-        v2.RandomSolarize(threshold=128, p=solarize_p))  # x ≥ 128/255 → 1 − x
+        v2.RandomSolarize(threshold=128, p=solarize_p),
+    )  # x ≥ 128/255 → 1 − x
 
 
 def build_view_transforms(recipe: str, image_size: int, min_crop_scale: float | None = None) -> list[ViewTransform]:
@@ -62,9 +64,12 @@ def build_view_transforms(recipe: str, image_size: int, min_crop_scale: float | 
     moco_scale = (min_crop_scale or 0.2, 1.0)
     simclr_scale = (min_crop_scale or 0.08, 1.0)
     if name == "mocov1":  # InstDisc: jitter always applied; crop → gray → jitter → flip
-        t = _view(v2.RandomResizedCrop(image_size, scale=moco_scale, antialias=True),
-                  v2.RandomGrayscale(p=0.2), v2.ColorJitter(0.4, 0.4, 0.4, 0.4),
-                  v2.RandomHorizontalFlip())
+        t = _view(
+            v2.RandomResizedCrop(image_size, scale=moco_scale, antialias=True),
+            v2.RandomGrayscale(p=0.2),
+            v2.ColorJitter(0.4, 0.4, 0.4, 0.4),
+            v2.RandomHorizontalFlip(),
+        )
     elif name == "mocov2":
         t = _aug_plus(image_size, moco_scale)
     elif name == "simclr":  # torch port of the TF recipe (strength s = 1)
@@ -73,20 +78,28 @@ def build_view_transforms(recipe: str, image_size: int, min_crop_scale: float | 
             v2.RandomHorizontalFlip(),
             v2.RandomApply([v2.ColorJitter(0.8, 0.8, 0.8, 0.2)], p=0.8),
             v2.RandomGrayscale(p=0.2),
-            v2.RandomApply([v2.GaussianBlur(blur_kernel_size(image_size), sigma=SIGMA)], p=0.5))
+            v2.RandomApply([v2.GaussianBlur(blur_kernel_size(image_size), sigma=SIGMA)], p=0.5),
+        )
     elif name == "byol":
-        return [_byol(image_size, blur_p=1.0, solarize_p=0.0, scale=simclr_scale),
-                _byol(image_size, blur_p=0.1, solarize_p=0.2, scale=simclr_scale)]
+        return [
+            _byol(image_size, blur_p=1.0, solarize_p=0.0, scale=simclr_scale),
+            _byol(image_size, blur_p=0.1, solarize_p=0.2, scale=simclr_scale),
+        ]
     else:
-        raise ValueError(f"unknown augmentation recipe {recipe!r}; expected one of "
-                         f"{', '.join(RECIPES)} (aliases: {', '.join(_ALIASES)})")
+        raise ValueError(
+            f"unknown augmentation recipe {recipe!r}; expected one of "
+            f"{', '.join(RECIPES)} (aliases: {', '.join(_ALIASES)})"
+        )
     return [t, t]  # same pipeline, different random draws
 
 
-def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = None,
-                               min_scales: Sequence[float] | None = None,
-                               max_scales: Sequence[float] | None = None,
-                               key_min_scale: float | None = None) -> list[ViewTransform]:
+def build_multicrop_transforms(
+    image_size: int,
+    sizes: Sequence[int] | None = None,
+    min_scales: Sequence[float] | None = None,
+    max_scales: Sequence[float] | None = None,
+    key_min_scale: float | None = None,
+) -> list[ViewTransform]:
     """AdCo: crop 0 is the key (``image_size``, scale .2–1, or ``key_min_scale``–1), then one aug+
     query crop per size (the query crops keep their own scale ranges).
 
@@ -96,7 +109,9 @@ def build_multicrop_transforms(image_size: int, sizes: Sequence[int] | None = No
     min_scales = min_scales or (0.2, 0.172, 0.143, 0.114, 0.086)
     max_scales = max_scales or (1.0, 0.86, 0.715, 0.571, 0.429)
     if not len(sizes) == len(min_scales) == len(max_scales):
-        raise ValueError(f"multi-crop: sizes {list(sizes)}, min_scales {list(min_scales)} and "
-                         f"max_scales {list(max_scales)} must have the same length")
+        raise ValueError(
+            f"multi-crop: sizes {list(sizes)}, min_scales {list(min_scales)} and "
+            f"max_scales {list(max_scales)} must have the same length"
+        )
     queries = [_aug_plus(s, (lo, hi)) for s, lo, hi in zip(sizes, min_scales, max_scales)]
     return [_aug_plus(image_size, (key_min_scale or 0.2, 1.0))] + queries

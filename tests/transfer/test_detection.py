@@ -174,8 +174,11 @@ def test_linear_scaling_when_the_total_batch_changes():
 def test_datasets_register_under_builtin_names(synthetic_root, synthetic_manifest):
     register_datasets(synthetic_root)
     try:
-        voc = {"voc_2007_trainval": ("VOC2007", "trainval"), "voc_2007_test": ("VOC2007", "test"),
-               "voc_2012_trainval": ("VOC2012", "trainval")}
+        voc = {
+            "voc_2007_trainval": ("VOC2007", "trainval"),
+            "voc_2007_test": ("VOC2007", "test"),
+            "voc_2012_trainval": ("VOC2012", "trainval"),
+        }
         for name, (folder, split) in voc.items():
             records = DatasetCatalog.get(name)
             truth = synthetic_manifest[folder]["splits"][split]["objects"]
@@ -211,8 +214,10 @@ def test_missing_dataset_files_are_named(synthetic_root, tmp_path):
 
 def test_seed_aggregate_is_mean_and_sample_std():
     values = {0: [81.0, 55.1], 1: [82.0, 56.3], 2: [81.6, 55.0]}
-    runs = {s: {"results": {"voc_2007_test": {"bbox": {"AP50": v[0], "AP": v[1], "AP-cat": None}}}}
-            for s, v in values.items()}
+    runs = {
+        s: {"results": {"voc_2007_test": {"bbox": {"AP50": v[0], "AP": v[1], "AP-cat": None}}}}
+        for s, v in values.items()
+    }
     got = aggregate(runs)
     table = np.array(list(values.values()))
     assert got["mean"]["voc_2007_test"]["bbox"]["AP50"] == pytest.approx(table[:, 0].mean())
@@ -252,8 +257,9 @@ def test_bad_input_is_one_line_before_training(synthetic_root, converted, tmp_pa
     no_author = tmp_path / "no_author.pkl"
     no_author.write_bytes(pickle.dumps({"model": _pkl_model(converted[18][1])}))
     _fails(base + ["MODEL.WEIGHTS", str(no_author), "OUTPUT_DIR", str(out)], r"'model' and '__author__'")
-    _fails(base + ["MODEL.WEIGHTS", str(tmp_path / "missing.pkl"), "OUTPUT_DIR", str(out)],
-           r"missing\.pkl: no such file")
+    _fails(
+        base + ["MODEL.WEIGHTS", str(tmp_path / "missing.pkl"), "OUTPUT_DIR", str(out)], r"missing\.pkl: no such file"
+    )
     assert not out.exists()  # nothing started
 
     # A ResNet-50 file for the ResNet-18 model: refused when loading, before the first iteration.

@@ -58,7 +58,7 @@ def test_annotation_of_an_unknown_image_or_category(coco_root):
     _edit(coco_root, lambda d: d["annotations"][0].update(category_id=999))
     _refused(coco_root, r"category_id 999, which is not in 'categories'")
     (coco_root / VAL_JSON).write_text(original)
-    _edit(coco_root, lambda d: d["annotations"][1].update(image_id=10 ** 9))
+    _edit(coco_root, lambda d: d["annotations"][1].update(image_id=10**9))
     _refused(coco_root, r"points to image_id 1000000000, which is not in 'images'")
 
 
@@ -109,8 +109,14 @@ def test_voc_box_outside_the_image_is_refused(synthetic_root, tmp_path):
 
 def test_a_second_job_into_a_locked_output_dir_is_refused(synthetic_root, tmp_path):
     out = tmp_path / "out"
-    argv = ["--config-file", str(CONFIG_DIR / "tiny_voc0712_R_18_FPN_syncbn.yaml"), "--data-root",
-            str(synthetic_root), "OUTPUT_DIR", str(out)]
+    argv = [
+        "--config-file",
+        str(CONFIG_DIR / "tiny_voc0712_R_18_FPN_syncbn.yaml"),
+        "--data-root",
+        str(synthetic_root),
+        "OUTPUT_DIR",
+        str(out),
+    ]
     with OutputLock(out, "OUTPUT_DIR"), pytest.raises(SystemExit) as e:
         main(argv)
     assert str(e.value).startswith(f"error: OUTPUT_DIR {out} is in use by another run (pid")

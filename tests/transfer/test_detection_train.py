@@ -25,8 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs" / "detection"
 # config, test split. Both tiny configs have BN in the new box-head layers, which is what makes
 # a hundred or two iterations from a random backbone learn reliably (seed spreads in the configs).
-RUNS = {"voc": ("tiny_voc0712_R_18_FPN_syncbn.yaml", "voc_2007_test"),
-        "coco": ("tiny_coco_R_18_FPN_4conv1fc_syncbn.yaml", "coco_2017_val")}
+RUNS = {
+    "voc": ("tiny_voc0712_R_18_FPN_syncbn.yaml", "voc_2007_test"),
+    "coco": ("tiny_coco_R_18_FPN_4conv1fc_syncbn.yaml", "coco_2017_val"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,18 @@ def resnet18_pkl(tmp_path_factory) -> Path:
 
 
 def _cli(config: str, data_root: Path, out: Path, weights: Path, *extra: str, overrides=()) -> list[str]:
-    return ["--config-file", str(CONFIG_DIR / config), "--data-root", str(data_root), *extra,
-            "MODEL.WEIGHTS", str(weights), "OUTPUT_DIR", str(out), *overrides]
+    return [
+        "--config-file",
+        str(CONFIG_DIR / config),
+        "--data-root",
+        str(data_root),
+        *extra,
+        "MODEL.WEIGHTS",
+        str(weights),
+        "OUTPUT_DIR",
+        str(out),
+        *overrides,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,28 +67,44 @@ def training_runs(synthetic_root, resnet18_pkl, tmp_path_factory):
         out = root / name
         out.mkdir()
         log = open(out / "stdout.txt", "w")
-        runs[name] = (subprocess.Popen([sys.executable, "-m", "transfer.detection",
-                                        *_cli(config, synthetic_root, out, resnet18_pkl)],
-                                       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), out)
+        runs[name] = (
+            subprocess.Popen(
+                [sys.executable, "-m", "transfer.detection", *_cli(config, synthetic_root, out, resnet18_pkl)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            ),
+            out,
+        )
     yield runs
     for process, _ in runs.values():
         if process.poll() is None:
             process.kill()
 
 
-def test_seeds_report_mean_and_std_and_resume_skips_finished_seeds(training_runs, synthetic_root, resnet18_pkl,
-                                                                    tmp_path):
+def test_seeds_report_mean_and_std_and_resume_skips_finished_seeds(
+    training_runs, synthetic_root, resnet18_pkl, tmp_path
+):
     # requesting training_runs starts the two background trainings first; this test runs beside them
     def argv(*flags):
-        return _cli("tiny_voc0712_R_18_FPN_syncbn.yaml", synthetic_root, tmp_path, resnet18_pkl, "--seeds", "2", *flags,
-                    overrides=["SOLVER.MAX_ITER", "4", "SOLVER.STEPS", "(3,)", "TEST.PRECISE_BN.ENABLED", "False",
-                               "SEED", "7"])
+        return _cli(
+            "tiny_voc0712_R_18_FPN_syncbn.yaml",
+            synthetic_root,
+            tmp_path,
+            resnet18_pkl,
+            "--seeds",
+            "2",
+            *flags,
+            overrides=["SOLVER.MAX_ITER", "4", "SOLVER.STEPS", "(3,)", "TEST.PRECISE_BN.ENABLED", "False", "SEED", "7"],
+        )
+
     metrics = main(argv())
     per_seed = [json.loads((tmp_path / f"seed_{s}" / "metrics.json").read_text()) for s in (7, 8)]
     assert [r["seed"] for r in per_seed] == [7, 8] == metrics["seeds"]
     ap = [r["results"]["voc_2007_test"]["bbox"]["AP50"] for r in per_seed]
     assert metrics["mean"]["voc_2007_test"]["bbox"]["AP50"] == pytest.approx(sum(ap) / 2)
-    assert metrics["std"]["voc_2007_test"]["bbox"]["AP50"] == pytest.approx(abs(ap[0] - ap[1]) / 2 ** 0.5)
+    assert metrics["std"]["voc_2007_test"]["bbox"]["AP50"] == pytest.approx(abs(ap[0] - ap[1]) / 2**0.5)
     assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
     # --resume reuses finished seeds (their files are untouched) and re-aggregates
     stamps = [(tmp_path / f"seed_{s}" / "metrics.json").stat().st_mtime_ns for s in (7, 8)]
@@ -85,9 +113,19 @@ def test_seeds_report_mean_and_std_and_resume_skips_finished_seeds(training_runs
 
 
 def test_two_cpu_processes_train_with_naive_sync_bn(training_runs, synthetic_root, resnet18_pkl, tmp_path):
-    metrics = main(_cli("tiny_voc0712_R_18_FPN_syncbn.yaml", synthetic_root, tmp_path, resnet18_pkl,
-                        "--num-gpus", "2", "--dist-url", "auto",
-                        overrides=["SOLVER.MAX_ITER", "3", "SOLVER.STEPS", "(2,)"]))
+    metrics = main(
+        _cli(
+            "tiny_voc0712_R_18_FPN_syncbn.yaml",
+            synthetic_root,
+            tmp_path,
+            resnet18_pkl,
+            "--num-gpus",
+            "2",
+            "--dist-url",
+            "auto",
+            overrides=["SOLVER.MAX_ITER", "3", "SOLVER.STEPS", "(2,)"],
+        )
+    )
     assert metrics["world_size"] == 2 and metrics["iterations"] == 3
     assert any("SyncBN -> naiveSyncBN" in n for n in metrics["notices"])
     assert "AP50" in metrics["results"]["voc_2007_test"]["bbox"]
@@ -104,8 +142,10 @@ def test_tiny_fpn_fine_tuning_beats_the_untrained_model(name, training_runs, syn
 
     ap50_before = before["results"][dataset]["bbox"]["AP50"]
     ap50_after = after["results"][dataset]["bbox"]["AP50"]
-    print(f"\n{name}: {dataset} AP50 before training {ap50_before:.2f}, after {after['iterations']} "
-          f"iterations {ap50_after:.2f}")
+    print(
+        f"\n{name}: {dataset} AP50 before training {ap50_before:.2f}, after {after['iterations']} "
+        f"iterations {ap50_after:.2f}"
+    )
     assert ap50_after >= max(3 * ap50_before, ap50_before + 1.0)
 
     expected = {"AP", "AP50", "AP75"} | ({"APs", "APm", "APl"} if name == "coco" else set())

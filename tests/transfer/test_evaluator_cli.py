@@ -25,13 +25,15 @@ EVALUATORS = {"transfer.knn": "--k", "transfer.voc07_svm": "--costs", "transfer.
 
 @pytest.mark.parametrize("module", sorted(EVALUATORS))
 def test_help_shows_defaults_without_importing_torch_or_sklearn(module):
-    probe = ("import runpy, sys\n"
-             f"sys.argv = ['{module}', '--help']\n"
-             "try:\n"
-             f"    runpy.run_module('{module}', run_name='__main__')\n"
-             "except SystemExit:\n"
-             "    pass\n"
-             "print('HEAVY', sorted(m for m in ('torch', 'torchvision', 'sklearn') if m in sys.modules))\n")
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = ['{module}', '--help']\n"
+        "try:\n"
+        f"    runpy.run_module('{module}', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'torchvision', 'sklearn') if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "HEAVY []" in out, out[-300:]
     option = EVALUATORS[module]
@@ -40,6 +42,7 @@ def test_help_shows_defaults_without_importing_torch_or_sklearn(module):
 
 
 # ------------------------------------------------------------------------------------- image size
+
 
 def test_resolve_size_hand_computed(caplog):
     caplog.set_level(logging.INFO)
@@ -65,15 +68,34 @@ def project_checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     state = {k: v for k, v in torchvision.models.resnet18().state_dict().items() if not k.startswith("fc.")}
     path = tmp_path_factory.mktemp("ckpt") / "checkpoint_final.pth"
-    torch.save({"backbone": state, "arch": "resnet18", "stem": "imagenet", "method": "simclr", "step": 1,
-                "config": {"data": {"image_size": 32}}}, path)
+    torch.save(
+        {
+            "backbone": state,
+            "arch": "resnet18",
+            "stem": "imagenet",
+            "method": "simclr",
+            "step": 1,
+            "config": {"data": {"image_size": 32}},
+        },
+        path,
+    )
     return path
 
 
 def test_knn_crop_auto_evaluates_at_the_pretraining_size(synthetic_root, project_checkpoint, tmp_path, caplog):
     caplog.set_level(logging.INFO)
-    args = ["--weights", str(project_checkpoint), "--train-dir", str(synthetic_root / "imagenet" / "train"),
-            "--val-dir", str(synthetic_root / "imagenet" / "val"), "--workers", "0", "--k", "5"]
+    args = [
+        "--weights",
+        str(project_checkpoint),
+        "--train-dir",
+        str(synthetic_root / "imagenet" / "train"),
+        "--val-dir",
+        str(synthetic_root / "imagenet" / "val"),
+        "--workers",
+        "0",
+        "--k",
+        "5",
+    ]
     knn.main(args + ["--crop", "auto", "--output-dir", str(tmp_path / "auto")])
     metrics = json.loads((tmp_path / "auto" / "metrics.json").read_text())
     assert (metrics["preprocessing"]["resize"], metrics["preprocessing"]["crop"]) == (37, 32)  # 32 · 256/224
@@ -90,12 +112,34 @@ def test_knn_crop_auto_evaluates_at_the_pretraining_size(synthetic_root, project
 
 # ------------------------------------------------------------------------------------ linear probe
 
+
 def test_linear_probe_stops_on_divergence_naming_the_lr_flag(synthetic_root, project_checkpoint, tmp_path):
     out = tmp_path / "probe"
     with pytest.raises(SystemExit) as stop:
-        linear.main(["--weights", str(project_checkpoint), "--dataset", "imagenet", "--data-root",
-                     str(synthetic_root / "imagenet"), "--preset", "moco", "--epochs", "2", "--batch-size", "16",
-                     "--lr", "1e9", "--crop", "auto", "--workers", "0", "--output-dir", str(out)])
+        linear.main(
+            [
+                "--weights",
+                str(project_checkpoint),
+                "--dataset",
+                "imagenet",
+                "--data-root",
+                str(synthetic_root / "imagenet"),
+                "--preset",
+                "moco",
+                "--epochs",
+                "2",
+                "--batch-size",
+                "16",
+                "--lr",
+                "1e9",
+                "--crop",
+                "auto",
+                "--workers",
+                "0",
+                "--output-dir",
+                str(out),
+            ]
+        )
     message = str(stop.value)
     assert message.startswith("error: the linear probe diverged") and "--lr" in message and "\n" not in message
     assert not (out / "metrics.json").exists()
@@ -114,19 +158,27 @@ def test_divergence_rule_hand_cases():
 
 # ------------------------------------------------------------------------- outputs before the work
 
+
 @pytest.mark.parametrize("evaluator", ["knn", "voc07_svm", "linear"])
-def test_unwritable_output_fails_before_any_feature_is_extracted(evaluator, synthetic_root, project_checkpoint,
-                                                                 tmp_path, monkeypatch):
+def test_unwritable_output_fails_before_any_feature_is_extracted(
+    evaluator, synthetic_root, project_checkpoint, tmp_path, monkeypatch
+):
     extracted = []
     monkeypatch.setattr(features, "extract", lambda *a, **k: extracted.append(1) or {})
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     out = str(blocker / "out")
     common = ["--weights", str(project_checkpoint), "--workers", "0", "--output-dir", out]
-    argv = {"knn": ["--train-dir", str(synthetic_root / "imagenet" / "train"),
-                    "--val-dir", str(synthetic_root / "imagenet" / "val")],
-            "voc07_svm": ["--voc-root", str(synthetic_root / "VOC2007")],
-            "linear": ["--dataset", "imagenet", "--data-root", str(synthetic_root / "imagenet"), "--preset", "moco"]}
+    argv = {
+        "knn": [
+            "--train-dir",
+            str(synthetic_root / "imagenet" / "train"),
+            "--val-dir",
+            str(synthetic_root / "imagenet" / "val"),
+        ],
+        "voc07_svm": ["--voc-root", str(synthetic_root / "VOC2007")],
+        "linear": ["--dataset", "imagenet", "--data-root", str(synthetic_root / "imagenet"), "--preset", "moco"],
+    }
     module = {"knn": knn, "voc07_svm": voc07_svm, "linear": linear}[evaluator]
     with pytest.raises(SystemExit) as stop:
         module.main(common + argv[evaluator])
@@ -135,6 +187,7 @@ def test_unwritable_output_fails_before_any_feature_is_extracted(evaluator, synt
 
 
 # ------------------------------------------------------------------------- progress and warnings
+
 
 def test_progress_prints_lines_when_not_a_terminal(caplog):
     caplog.set_level(logging.INFO)
@@ -146,9 +199,9 @@ def test_progress_prints_lines_when_not_a_terminal(caplog):
 def test_repeated_warnings_are_summarised_once(caplog):
     with eval_cli.summarised_warnings("svm") as caught:
         for n in (1, 2, 3):
-            warnings.warn(f"The least populated class in y has only {n} members", UserWarning)
+            warnings.warn(f"The least populated class in y has only {n} members", UserWarning, stacklevel=1)
         caught.add([("UserWarning", "The least populated class in y has only 4 members")])
-        warnings.warn("something else", RuntimeWarning)
+        warnings.warn("something else", RuntimeWarning, stacklevel=1)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
     assert lines[0].startswith("svm: UserWarning: The least populated class in y has only")
@@ -156,12 +209,28 @@ def test_repeated_warnings_are_summarised_once(caplog):
     assert lines[1] == "svm: RuntimeWarning: something else"
 
 
-def test_voc07_svm_on_the_tiny_voc_prints_each_warning_once(synthetic_root, project_checkpoint, tmp_path, capfd,
-                                                             caplog):
+def test_voc07_svm_on_the_tiny_voc_prints_each_warning_once(
+    synthetic_root, project_checkpoint, tmp_path, capfd, caplog
+):
     caplog.set_level(logging.INFO)
-    voc07_svm.main(["--weights", str(project_checkpoint), "--voc-root", str(synthetic_root / "VOC2007"),
-                    "--output-dir", str(tmp_path), "--crop", "auto", "--workers", "2", "--jobs", "2",
-                    "--costs", "0.1,1,10"])
+    voc07_svm.main(
+        [
+            "--weights",
+            str(project_checkpoint),
+            "--voc-root",
+            str(synthetic_root / "VOC2007"),
+            "--output-dir",
+            str(tmp_path),
+            "--crop",
+            "auto",
+            "--workers",
+            "2",
+            "--jobs",
+            "2",
+            "--costs",
+            "0.1,1,10",
+        ]
+    )
     captured = capfd.readouterr()
     assert "Warning" not in captured.err  # nothing reached stderr unsummarised, workers included
     summaries = [r.getMessage() for r in caplog.records if "Warning:" in r.getMessage()]
@@ -170,6 +239,7 @@ def test_voc07_svm_on_the_tiny_voc_prints_each_warning_once(synthetic_root, proj
 
 
 # ------------------------------------------------------------------------- the model's device
+
 
 def test_probe_and_batches_follow_the_models_device_and_dtype():
     """Every tensor fed to the model is created where the model lives: a float64 model gets float64

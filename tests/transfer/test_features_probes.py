@@ -38,16 +38,24 @@ def random_checkpoint(tmp_path_factory):
 
 # --------------------------------------------------------------------------------------- features
 
+
 def test_fair_pooling_table_at_224():
     """The FAIR benchmark's (kernel, stride, pad) and dims for ResNet-50 at 224 px (transfer.md §3.2)."""
-    table = {"conv1": ((10, 10, 4), 9216), "res2": ((16, 8, 0), 9216), "res3": ((13, 5, 0), 8192),
-             "res4": ((8, 3, 0), 9216), "res5": ((6, 1, 0), 8192)}
+    table = {
+        "conv1": ((10, 10, 4), 9216),
+        "res2": ((16, 8, 0), 9216),
+        "res3": ((13, 5, 0), 8192),
+        "res4": ((8, 3, 0), 9216),
+        "res5": ((6, 1, 0), 8192),
+    }
     maps = {"conv1": 112, "res2": 56, "res3": 28, "res4": 14, "res5": 7}
     for layer, ((k, s, p), _) in table.items():
         assert pooling_for(layer, maps[layer], maps[layer]) == ((k, k), (s, s), (p, p))
     described = LayerFeatures(torchvision.models.resnet50().eval(), [*table, "res5avg"]).describe(224)
-    assert {name: d["dim"] for name, d in described.items()} == {**{n: d for n, (_, d) in table.items()},
-                                                                   "res5avg": 2048}
+    assert {name: d["dim"] for name, d in described.items()} == {
+        **{n: d for n, (_, d) in table.items()},
+        "res5avg": 2048,
+    }
     fmap = torch.randn(2, 16, 7, 7)
     assert torch.equal(pool("res5", fmap), nn.AvgPool2d(6, 1, 0)(fmap).flatten(1))
     assert torch.allclose(pool("res5avg", fmap), fmap.mean(dim=(2, 3)))
@@ -69,8 +77,9 @@ def test_preprocessing_warp_vs_center():
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 100, 3), dtype=np.uint8))
     assert Preprocessing(48, 40, "warp").transform()(image).shape == (3, 40, 40)
     assert Preprocessing(48, 40, "center").transform()(image).shape == (3, 40, 40)
-    assert not torch.equal(Preprocessing(48, 40, "warp").transform()(image),
-                           Preprocessing(48, 40, "center").transform()(image))
+    assert not torch.equal(
+        Preprocessing(48, 40, "warp").transform()(image), Preprocessing(48, 40, "center").transform()(image)
+    )
 
 
 def test_feature_cache_extracts_once(synthetic_root, random_checkpoint, tmp_path, monkeypatch):
@@ -97,6 +106,7 @@ def test_feature_cache_extracts_once(synthetic_root, random_checkpoint, tmp_path
 
 # -------------------------------------------------------------------------------------------- kNN
 
+
 def test_knn_votes_match_brute_force():
     rng = np.random.default_rng(0)
     bank = torch.nn.functional.normalize(torch.randn(50, 8, dtype=torch.float64), dim=1)
@@ -115,10 +125,33 @@ def test_knn_votes_match_brute_force():
 
 # ----------------------------------------------------------------------------------- linear probe
 
+
 def probe_args(ckpt, root, out, *extra):
-    return ["--weights", str(ckpt), "--dataset", "places205", "--data-root", str(root / "places205"),
-            "--preset", "places205", "--output-dir", str(out), "--epochs", "2", "--batch-size", "16",
-            "--lr", "0.1", "--resize", "36", "--crop", "32", "--workers", "0", *extra]
+    return [
+        "--weights",
+        str(ckpt),
+        "--dataset",
+        "places205",
+        "--data-root",
+        str(root / "places205"),
+        "--preset",
+        "places205",
+        "--output-dir",
+        str(out),
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.1",
+        "--resize",
+        "36",
+        "--crop",
+        "32",
+        "--workers",
+        "0",
+        *extra,
+    ]
 
 
 def test_linear_probe_leaves_backbone_bit_identical(synthetic_root, random_checkpoint, tmp_path, monkeypatch):

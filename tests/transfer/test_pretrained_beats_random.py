@@ -17,13 +17,49 @@ def test_pretrained_beats_random_init_in_knn_and_svm(synthetic_root, brief_pretr
     knn_top1, svm_map = {}, {}
     for name in ("pretrained", "init"):
         ckpt = brief_pretraining[name]
-        knn.main(["--weights", str(ckpt), "--train-dir", str(brief_pretraining["train_dir"]),
-                  "--val-dir", str(brief_pretraining["val_dir"]), "--k", "20", "--t", "0.07", "--resize", "73",
-                  "--crop", "64", "--workers", "0", "--output-dir", str(tmp_path / f"knn_{name}")])
+        knn.main(
+            [
+                "--weights",
+                str(ckpt),
+                "--train-dir",
+                str(brief_pretraining["train_dir"]),
+                "--val-dir",
+                str(brief_pretraining["val_dir"]),
+                "--k",
+                "20",
+                "--t",
+                "0.07",
+                "--resize",
+                "73",
+                "--crop",
+                "64",
+                "--workers",
+                "0",
+                "--output-dir",
+                str(tmp_path / f"knn_{name}"),
+            ]
+        )
         knn_top1[name] = json.loads((tmp_path / f"knn_{name}" / "metrics.json").read_text())["top1"]
-        voc07_svm.main(["--weights", str(ckpt), "--voc-root", str(synthetic_root / "VOC2007"),
-                        "--resize", "146", "--crop", "128", "--costs", "0.1,1,10", "--jobs", "1", "--workers", "0",
-                        "--output-dir", str(tmp_path / f"svm_{name}")])
+        voc07_svm.main(
+            [
+                "--weights",
+                str(ckpt),
+                "--voc-root",
+                str(synthetic_root / "VOC2007"),
+                "--resize",
+                "146",
+                "--crop",
+                "128",
+                "--costs",
+                "0.1,1,10",
+                "--jobs",
+                "1",
+                "--workers",
+                "0",
+                "--output-dir",
+                str(tmp_path / f"svm_{name}"),
+            ]
+        )
         metrics = json.loads((tmp_path / f"svm_{name}" / "metrics.json").read_text())
         assert metrics["preprocessing"]["mode"] == "warp" and metrics["layers"]["res5avg"]["dim"] == 512
         svm_map[name] = metrics["layers"]["res5avg"]["mAP"]

@@ -16,13 +16,21 @@ from PIL import Image, ImageDraw
 
 from transfer.datasets.synthetic import COCO_CATEGORIES, VOC_CLASSES, generate
 
-VOC_SPLITS = [("VOC2007", "trainval"), ("VOC2007", "train"), ("VOC2007", "val"), ("VOC2007", "test"),
-              ("VOC2012", "trainval")]
+VOC_SPLITS = [
+    ("VOC2007", "trainval"),
+    ("VOC2007", "train"),
+    ("VOC2007", "val"),
+    ("VOC2007", "test"),
+    ("VOC2012", "trainval"),
+]
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_same_seed_same_bytes_regardless_of_workers(synthetic_root, tmp_path):
@@ -68,14 +76,18 @@ def test_voc_read_by_detectron2(synthetic_root, synthetic_manifest, year, split)
 
 def _xml_objects(path: Path) -> list[tuple[str, int, tuple[int, ...]]]:
     objs = ET.parse(path).getroot().findall("object")
-    return [(o.findtext("name"), int(o.findtext("difficult")),
-             tuple(int(o.find("bndbox").findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax")))
-            for o in objs]
+    return [
+        (
+            o.findtext("name"),
+            int(o.findtext("difficult")),
+            tuple(int(o.find("bndbox").findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax")),
+        )
+        for o in objs
+    ]
 
 
 @pytest.mark.parametrize("year,split", VOC_SPLITS)
-def test_voc_difficult_flags_and_per_class_files_agree_with_xml(synthetic_root, synthetic_manifest,
-                                                                year, split):
+def test_voc_difficult_flags_and_per_class_files_agree_with_xml(synthetic_root, synthetic_manifest, year, split):
     root = synthetic_root / year
     expected = synthetic_manifest[year]["splits"][split]
     ids = (root / "ImageSets" / "Main" / f"{split}.txt").read_text().split()
@@ -98,9 +110,11 @@ def test_voc_has_difficult_objects_and_difficult_only_labels(synthetic_root, syn
     for split in ("trainval", "test"):
         flags = [d for objs in splits[split]["objects"].values() for _, d in objs]
         assert 0 < sum(flags) < len(flags), split
-    zeros = sum(line.split()[1] == "0"
-                for f in (synthetic_root / "VOC2007" / "ImageSets" / "Main").glob("*_trainval.txt")
-                for line in f.read_text().splitlines())
+    zeros = sum(
+        line.split()[1] == "0"
+        for f in (synthetic_root / "VOC2007" / "ImageSets" / "Main").glob("*_trainval.txt")
+        for line in f.read_text().splitlines()
+    )
     assert zeros > 0
 
 
@@ -227,8 +241,7 @@ def test_class_is_in_the_pixels_a_trained_network_learns_it_a_random_one_does_no
     random_init = knn()
 
     data = ImageFolder(str(train_dir), transform=eval_transform(64))
-    loader = DataLoader(data, batch_size=32, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(data, batch_size=32, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.Adam([*backbone.parameters(), *classifier.parameters()], lr=1e-3)
     step = 0
     while step < 60:
@@ -241,7 +254,9 @@ def test_class_is_in_the_pixels_a_trained_network_learns_it_a_random_one_does_no
             if step == 60:
                 break
     trained = knn()
-    print(f"\nkNN top-1 on imagenet/val (10 classes, chance 10%): supervised 60 steps {trained:.1f}%, "
-          f"random init {random_init:.1f}%")
+    print(
+        f"\nkNN top-1 on imagenet/val (10 classes, chance 10%): supervised 60 steps {trained:.1f}%, "
+        f"random init {random_init:.1f}%"
+    )
     assert random_init < 40, "the class must not be readable by an untrained network"
     assert trained >= max(45.0, random_init + 20.0)

@@ -7,9 +7,9 @@ import pytest
 from sklearn.model_selection import cross_val_score
 from sklearn.svm import LinearSVC
 
+from contrastive_transfer.cli import UserError
 from transfer.datasets.readers import read_voc_labels
 from transfer.datasets.synthetic import VOC_CLASSES
-from contrastive_transfer.cli import UserError
 from transfer.voc07_svm import check_disjoint, main, run_svms, scoring_targets, training_targets, voc_ap
 
 # ------------------------------------------------------------------------------------------- AP
@@ -29,8 +29,7 @@ def ap_11_point(scores, targets) -> float:
     hits = np.asarray(targets)[order] == 1
     tp = np.cumsum(hits)
     recall, precision = tp / hits.sum(), tp / np.arange(1, len(hits) + 1)
-    return float(np.mean([precision[recall >= t].max() if (recall >= t).any() else 0.0
-                          for t in np.linspace(0, 1, 11)]))
+    return float(np.mean([precision[recall >= t].max() if (recall >= t).any() else 0.0 for t in np.linspace(0, 1, 11)]))
 
 
 def test_ap_hand_computed_cases():
@@ -59,6 +58,7 @@ def test_ap_matches_positive_wise_definition_on_random_rankings():
 
 # ------------------------------------------------------------------------------------------ SVM
 
+
 def reference_map(xtr, ltr, xte, lte, costs) -> tuple[float, list[float]]:
     """The FAIR tools' loop, written out: per class, per cost, cross_val_score + refit (dense input)."""
     normalize = lambda x: x / (np.linalg.norm(x, axis=1, keepdims=True) + 1e-5)  # noqa: E731
@@ -68,8 +68,17 @@ def reference_map(xtr, ltr, xte, lte, costs) -> tuple[float, list[float]]:
         y = np.where(ltr[:, c] == 1, 1, -1)  # difficult (0) is a negative in training
         best, best_model, best_cost = -1.0, None, None
         for cost in costs:
-            svm = LinearSVC(C=cost, class_weight={1: 2, -1: 1}, intercept_scaling=1.0, penalty="l2",
-                            loss="squared_hinge", dual=True, tol=1e-4, max_iter=2000, random_state=0)
+            svm = LinearSVC(
+                C=cost,
+                class_weight={1: 2, -1: 1},
+                intercept_scaling=1.0,
+                penalty="l2",
+                loss="squared_hinge",
+                dual=True,
+                tol=1e-4,
+                max_iter=2000,
+                random_state=0,
+            )
             cv = cross_val_score(svm, xtr, y, cv=3, scoring="average_precision").mean()
             svm.fit(xtr, y)
             if cv > best:
@@ -83,11 +92,13 @@ def reference_map(xtr, ltr, xte, lte, costs) -> tuple[float, list[float]]:
 def random_problem(seed: int, n_train=150, n_test=120, dim=24, classes=4):
     rng = np.random.default_rng(seed)
     centers = rng.normal(size=(classes, dim))
+
     def split(n):
         labels = np.where(rng.random((n, classes)) < 0.3, 1, -1).astype(np.int8)
         labels[rng.random((n, classes)) < 0.08] = 0  # difficult
         x = rng.normal(size=(n, dim)) + 0.6 * (labels != -1) @ centers
         return np.maximum(x, 0).astype(np.float32), labels  # ReLU-like: exact zeros, as CNN features
+
     return (*split(n_train), *split(n_test))
 
 
@@ -104,16 +115,19 @@ def test_map_equals_straightforward_sklearn_loop():
 
 def test_separable_features_give_map_100():
     rng = np.random.default_rng(1)
+
     def split(n):
         labels = np.where(rng.random((n, 3)) < 0.4, 1, -1).astype(np.int8)
         labels[:3] = 1  # enough positives per fold
         return np.concatenate([(labels == 1) * 1.0, 0.01 * rng.random((n, 5))], axis=1), labels
+
     xtr, ltr = split(60)
     xte, lte = split(40)
     assert run_svms(xtr, ltr, xte, lte, ["a", "b", "c"], [0.1, 1.0, 10.0], jobs=1).map == pytest.approx(100.0)
 
 
 # ---------------------------------------------------------------------------------- labels, splits
+
 
 def write_voc(root, split, table: dict[str, dict[str, int]], extra_files=("trainval.txt",)):
     main_dir = root / "ImageSets" / "Main"
@@ -130,9 +144,11 @@ def write_voc(root, split, table: dict[str, dict[str, int]], extra_files=("train
 
 
 def test_difficult_and_class_order_follow_the_voc_files(tmp_path):
-    table = {"dog": {"000005": 1, "000007": 0, "000009": -1},
-             "cat": {"000005": -1, "000007": 1, "000009": 0},
-             "aeroplane": {"000005": 0, "000007": -1, "000009": 1}}
+    table = {
+        "dog": {"000005": 1, "000007": 0, "000009": -1},
+        "cat": {"000005": -1, "000007": 1, "000009": 0},
+        "aeroplane": {"000005": 0, "000007": -1, "000009": 1},
+    }
     write_voc(tmp_path, "trainval", table)
     voc = read_voc_labels(tmp_path, "trainval")
     assert voc.classes == ["aeroplane", "cat", "dog"]  # sorted file names; trainval.txt is not a class
@@ -167,6 +183,16 @@ def test_testing_on_trainval_is_refused(synthetic_root, tmp_path):
     with pytest.raises(UserError, match="not the 4952"):
         check_disjoint([str(i) for i in range(5011)], ["x"] * 4000, "trainval", "test")
     with pytest.raises(SystemExit, match="training split 'trainval'"):
-        main(["--weights", str(tmp_path / "unused.pth"), "--voc-root", str(voc), "--test-split", "trainval",
-              "--output-dir", str(tmp_path / "out")])
+        main(
+            [
+                "--weights",
+                str(tmp_path / "unused.pth"),
+                "--voc-root",
+                str(voc),
+                "--test-split",
+                "trainval",
+                "--output-dir",
+                str(tmp_path / "out"),
+            ]
+        )
     assert not (tmp_path / "out").exists()

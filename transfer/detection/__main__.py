@@ -22,25 +22,45 @@ from contrastive_transfer.cli import DEBUG_HELP, command
 def parser() -> argparse.ArgumentParser:
     """detectron2's ``default_argument_parser`` options, restated: importing detectron2 to build
     them takes seconds and prints FutureWarnings, and ``--help`` should answer at once."""
-    port = 2 ** 15 + 2 ** 14 + hash(os.getuid() if sys.platform != "win32" else 1) % 2 ** 14  # detectron2's
-    p = argparse.ArgumentParser(prog="python -m transfer.detection", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 2)[2] + "\n" + DEBUG_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    port = 2**15 + 2**14 + hash(os.getuid() if sys.platform != "win32" else 1) % 2**14  # detectron2's
+    p = argparse.ArgumentParser(
+        prog="python -m transfer.detection",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2] + "\n" + DEBUG_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config-file", default="", metavar="FILE", help="path to config file")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from OUTPUT_DIR's last checkpoint (and skip finished seeds)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from OUTPUT_DIR's last checkpoint (and skip finished seeds)"
+    )
     p.add_argument("--eval-only", action="store_true", help="perform evaluation only")
     p.add_argument("--num-gpus", type=int, default=1, help="processes per machine (default: 1)")
     p.add_argument("--num-machines", type=int, default=1, help="total number of machines (default: 1)")
     p.add_argument("--machine-rank", type=int, default=0, help="the rank of this machine (default: 0)")
-    p.add_argument("--dist-url", default=f"tcp://127.0.0.1:{port}",
-                   help="initialization URL for pytorch distributed backend (default: %(default)s)")
-    p.add_argument("--seeds", type=int, default=1, metavar="S",
-                   help="run S seeds and report mean ± std (VOC: the MoCo protocol averages 5; default: 1)")
-    p.add_argument("--data-root", default=None, metavar="DIR",
-                   help="folder with VOC2007/, VOC2012/, coco/ (default: $DETECTRON2_DATASETS or ./datasets)")
-    p.add_argument("opts", default=None, nargs=argparse.REMAINDER,
-                   help="config KEY VALUE pairs overriding the config file, e.g. SOLVER.IMS_PER_BATCH 16")
+    p.add_argument(
+        "--dist-url",
+        default=f"tcp://127.0.0.1:{port}",
+        help="initialization URL for pytorch distributed backend (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="S",
+        help="run S seeds and report mean ± std (VOC: the MoCo protocol averages 5; default: 1)",
+    )
+    p.add_argument(
+        "--data-root",
+        default=None,
+        metavar="DIR",
+        help="folder with VOC2007/, VOC2012/, coco/ (default: $DETECTRON2_DATASETS or ./datasets)",
+    )
+    p.add_argument(
+        "opts",
+        default=None,
+        nargs=argparse.REMAINDER,
+        help="config KEY VALUE pairs overriding the config file, e.g. SOLVER.IMS_PER_BATCH 16",
+    )
     return p
 
 

@@ -78,8 +78,10 @@ def scale_schedule(cfg: CfgNode, reference_batch: int, given: set[str]) -> list[
         _set(cfg, key, new)
         if new != old:
             changes.append(f"{key} {old} -> {new}")
-    note = (f"SOLVER.IMS_PER_BATCH {batch} differs from the config's {reference_batch}: linear scaling "
-            f"by {f:g}: " + ", ".join(changes or ["nothing to change"]))
+    note = (
+        f"SOLVER.IMS_PER_BATCH {batch} differs from the config's {reference_batch}: linear scaling "
+        f"by {f:g}: " + ", ".join(changes or ["nothing to change"])
+    )
     if kept:
         note += "; kept as given on the command line: " + ", ".join(kept)
     return [note]
@@ -91,9 +93,11 @@ def choose_device(cfg: CfgNode, world_size: int) -> list[str]:
         cfg.MODEL.DEVICE = "cpu"
         return [f"MODEL.DEVICE {device}: CUDA is not available, running on the CPU"]
     if device == "cpu" and world_size > 1 and torch.cuda.is_available():
-        raise ConfigError("MODEL.DEVICE cpu with several processes on a CUDA machine: detectron2's launch "
-                          "then uses NCCL, which cannot reduce CPU tensors; hide the GPUs "
-                          "(CUDA_VISIBLE_DEVICES=) to run CPU processes over gloo")
+        raise ConfigError(
+            "MODEL.DEVICE cpu with several processes on a CUDA machine: detectron2's launch "
+            "then uses NCCL, which cannot reduce CPU tensors; hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to run CPU processes over gloo"
+        )
     return []
 
 
@@ -115,8 +119,11 @@ def resolve_sync_norm(cfg: CfgNode, world_size: int) -> list[str]:
         if world_size == 1:
             new, why = "BN", "one process: nothing to synchronize"
         elif on_cpu and norm in ("SyncBN", "nnSyncBN"):
-            new, why = "naiveSyncBN", f"{world_size} CPU processes: nn.SyncBatchNorm needs CUDA, " \
-                                      "detectron2's NaiveSyncBatchNorm all-reduces over gloo"
+            new, why = (
+                "naiveSyncBN",
+                f"{world_size} CPU processes: nn.SyncBatchNorm needs CUDA, "
+                "detectron2's NaiveSyncBatchNorm all-reduces over gloo",
+            )
         else:
             continue
         _set(cfg, key, new)
@@ -138,8 +145,10 @@ def _explain(e: Exception, where: str) -> ConfigError:
     text = _one_line(e)
     if text.startswith(("Non-existent config key: ", "Non-existent key: ")):  # from a file / an override
         key = text.split(": ", 1)[1]
-        return ConfigError(f"{where}: config key {key} does not exist in detectron2's config "
-                           "(detectron2/config/defaults.py lists the valid keys)")
+        return ConfigError(
+            f"{where}: config key {key} does not exist in detectron2's config "
+            "(detectron2/config/defaults.py lists the valid keys)"
+        )
     return ConfigError(f"{where}: {text}")
 
 
@@ -165,8 +174,10 @@ def build_config(config_file: str, opts: list[str], world_size: int = 1) -> tupl
     notes += choose_device(cfg, world_size)
     notes += resolve_sync_norm(cfg, world_size)
     if cfg.SOLVER.IMS_PER_BATCH % world_size:
-        raise ConfigError(f"SOLVER.IMS_PER_BATCH {cfg.SOLVER.IMS_PER_BATCH} is the total batch and must be "
-                          f"divisible by the {world_size} processes")
+        raise ConfigError(
+            f"SOLVER.IMS_PER_BATCH {cfg.SOLVER.IMS_PER_BATCH} is the total batch and must be "
+            f"divisible by the {world_size} processes"
+        )
     cfg.freeze()
     return cfg, notes
 
@@ -187,23 +198,28 @@ def read_weights(path: str) -> dict:
             # whose pickle refers to tensor storages by persistent id)
             saved_by_torch = zipfile.is_zipfile(path) or "persistent" in str(e)
             extra = " (written by torch.save: rename it to .pth)" if saved_by_torch else ""
-            raise ConfigError(f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read ({_one_line(e)}){extra}; "
-                              f"{hint}") from None
+            raise ConfigError(
+                f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read ({_one_line(e)}){extra}; {hint}"
+            ) from None
         except Exception as e:  # truncated / not a pickle at all
-            raise ConfigError(f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {_one_line(e)}); "
-                              f"{hint}") from None
+            raise ConfigError(
+                f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {_one_line(e)}); {hint}"
+            ) from None
         if not (isinstance(data, dict) and "model" in data and "__author__" in data) and not (
-                isinstance(data, dict) and ("blobs" in data or all(hasattr(v, "shape") for v in data.values()))):
+            isinstance(data, dict) and ("blobs" in data or all(hasattr(v, "shape") for v in data.values()))
+        ):
             found = sorted(map(str, data))[:5] if isinstance(data, dict) else type(data).__name__
-            raise ConfigError(f"MODEL.WEIGHTS {path}: a .pkl needs the keys 'model' and '__author__' "
-                              f"(found {found}); {hint}")
+            raise ConfigError(
+                f"MODEL.WEIGHTS {path}: a .pkl needs the keys 'model' and '__author__' (found {found}); {hint}"
+            )
         model = data.get("model", data.get("blobs", data))
     else:
         try:
             data = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:
-            raise ConfigError(f"MODEL.WEIGHTS {path}: torch.load failed ({type(e).__name__}: {_one_line(e)}); "
-                              f"{hint}") from None
+            raise ConfigError(
+                f"MODEL.WEIGHTS {path}: torch.load failed ({type(e).__name__}: {_one_line(e)}); {hint}"
+            ) from None
         model = data.get("model", data) if isinstance(data, dict) else None
     if not isinstance(model, dict) or not any(hasattr(v, "shape") for v in model.values()):
         raise ConfigError(f"MODEL.WEIGHTS {path}: holds no tensors; {hint}")

@@ -53,8 +53,9 @@ def _checked(name: str, source: Path, records: list[dict]) -> list[dict]:
     clipped = 0
     for record in records:
         if not os.path.isfile(record["file_name"]):
-            raise DatasetError(f"dataset {name}: image {record['file_name']} is missing "
-                               f"({len(records)} images listed in {source})")
+            raise DatasetError(
+                f"dataset {name}: image {record['file_name']} is missing ({len(records)} images listed in {source})"
+            )
         width, height = record["width"], record["height"]
         for ann in record.get("annotations", []):
             x0, y0, x1, y1 = BoxMode.convert(list(ann["bbox"]), ann["bbox_mode"], BoxMode.XYXY_ABS)
@@ -64,16 +65,23 @@ def _checked(name: str, source: Path, records: list[dict]) -> list[dict]:
             tol_x = max(BOX_TOLERANCE_PX, BOX_TOLERANCE_FRACTION * width)
             tol_y = max(BOX_TOLERANCE_PX, BOX_TOLERANCE_FRACTION * height)
             if x0 < -tol_x or y0 < -tol_y or x1 > width + tol_x or y1 > height + tol_y:
-                raise DatasetError(f"{where} has a box {[x0, y0, x1, y1]} outside the image (beyond the "
-                                   f"{BOX_TOLERANCE_PX:g} px / {BOX_TOLERANCE_FRACTION:.0%} tolerance); fix it")
-            box = [min(max(x0, 0.0), width), min(max(y0, 0.0), height), min(max(x1, 0.0), width),
-                   min(max(y1, 0.0), height)]
+                raise DatasetError(
+                    f"{where} has a box {[x0, y0, x1, y1]} outside the image (beyond the "
+                    f"{BOX_TOLERANCE_PX:g} px / {BOX_TOLERANCE_FRACTION:.0%} tolerance); fix it"
+                )
+            box = [
+                min(max(x0, 0.0), width),
+                min(max(y0, 0.0), height),
+                min(max(x1, 0.0), width),
+                min(max(y1, 0.0), height),
+            ]
             if box != [x0, y0, x1, y1]:
                 clipped += 1
                 ann["bbox"], ann["bbox_mode"] = box, BoxMode.XYXY_ABS
     if clipped:
-        logging.getLogger("detectron2").warning(f"dataset {name}: clipped {clipped} boxes that overhung their "
-                                                f"image by less than the tolerance ({source})")
+        logging.getLogger("detectron2").warning(
+            f"dataset {name}: clipped {clipped} boxes that overhung their image by less than the tolerance ({source})"
+        )
     return records
 
 
@@ -85,17 +93,23 @@ def _check_coco_json(name: str, path: Path) -> None:
         raise DatasetError(f"dataset {name}: {path} is not valid JSON ({e})") from None
     missing = [key for key in ("images", "annotations", "categories") if not isinstance(data.get(key), list)]
     if missing:
-        raise DatasetError(f"dataset {name}: {path} has no {' / '.join(repr(k) for k in missing)} list "
-                           "(a COCO instances file needs images, annotations and categories)")
+        raise DatasetError(
+            f"dataset {name}: {path} has no {' / '.join(repr(k) for k in missing)} list "
+            "(a COCO instances file needs images, annotations and categories)"
+        )
     images = {image.get("id") for image in data["images"]}
     categories = {category.get("id") for category in data["categories"]}
     for ann in data["annotations"]:
         if ann.get("image_id") not in images:
-            raise DatasetError(f"dataset {name}: {path}: annotation {ann.get('id')} points to image_id "
-                               f"{ann.get('image_id')}, which is not in 'images'")
+            raise DatasetError(
+                f"dataset {name}: {path}: annotation {ann.get('id')} points to image_id "
+                f"{ann.get('image_id')}, which is not in 'images'"
+            )
         if ann.get("category_id") not in categories:
-            raise DatasetError(f"dataset {name}: {path}: annotation {ann.get('id')} has category_id "
-                               f"{ann.get('category_id')}, which is not in 'categories'")
+            raise DatasetError(
+                f"dataset {name}: {path}: annotation {ann.get('id')} has category_id "
+                f"{ann.get('category_id')}, which is not in 'categories'"
+            )
 
 
 @dataclass(frozen=True)
@@ -119,14 +133,21 @@ class VocSplit:
         ids = (base / "ImageSets" / "Main" / f"{self.split}.txt").read_text().split()
         for image_id in ids:  # load_voc_instances would stop at the first one with a bare errno
             if not (base / "Annotations" / f"{image_id}.xml").is_file():
-                raise DatasetError(f"dataset {name}: annotation {base / 'Annotations' / image_id}.xml "
-                                   f"is missing (listed in ImageSets/Main/{self.split}.txt)")
+                raise DatasetError(
+                    f"dataset {name}: annotation {base / 'Annotations' / image_id}.xml "
+                    f"is missing (listed in ImageSets/Main/{self.split}.txt)"
+                )
         return _checked(name, base / "Annotations", load_voc_instances(str(base), self.split, VOC_CLASS_NAMES))
 
     def register(self, name: str, root: Path) -> None:
         DatasetCatalog.register(name, partial(self.load, name, root))
-        MetadataCatalog.get(name).set(thing_classes=list(VOC_CLASS_NAMES), dirname=str(root / self.folder),
-                                      year=self.year, split=self.split, evaluator_type="pascal_voc")
+        MetadataCatalog.get(name).set(
+            thing_classes=list(VOC_CLASS_NAMES),
+            dirname=str(root / self.folder),
+            year=self.year,
+            split=self.split,
+            evaluator_type="pascal_voc",
+        )
 
 
 @dataclass(frozen=True)
@@ -142,13 +163,18 @@ class CocoSplit:
 
     def load(self, name: str, root: Path) -> list[dict]:
         _check_coco_json(name, root / self.json_file)
-        return _checked(name, root / self.json_file,
-                        load_coco_json(str(root / self.json_file), str(root / self.image_dir), name))
+        return _checked(
+            name, root / self.json_file, load_coco_json(str(root / self.json_file), str(root / self.image_dir), name)
+        )
 
     def register(self, name: str, root: Path) -> None:
         DatasetCatalog.register(name, partial(self.load, name, root))
-        MetadataCatalog.get(name).set(json_file=str(root / self.json_file), image_root=str(root / self.image_dir),
-                                      evaluator_type="coco", **_get_builtin_metadata("coco"))
+        MetadataCatalog.get(name).set(
+            json_file=str(root / self.json_file),
+            image_root=str(root / self.image_dir),
+            evaluator_type="coco",
+            **_get_builtin_metadata("coco"),
+        )
 
 
 # detectron2's builtin names (detectron2/data/datasets/builtin.py) for the sets this project uses.
@@ -188,7 +214,9 @@ def check_datasets(names, root: str | os.PathLike | None = None, load: bool = Fa
         for path in required:
             if not path.exists():
                 layout = " + ".join(str(p.relative_to(root)) for p in required)
-                raise DatasetError(f"dataset {name}: {path} does not exist (expected {layout} under the data "
-                                   f"root {root}; set --data-root or DETECTRON2_DATASETS)")
+                raise DatasetError(
+                    f"dataset {name}: {path} does not exist (expected {layout} under the data "
+                    f"root {root}; set --data-root or DETECTRON2_DATASETS)"
+                )
         if load:
             DatasetCatalog.get(name)

@@ -94,13 +94,21 @@ def worker(cfg: CfgNode, notes: list[str], args, skip_if_done: bool = False) -> 
     if comm.is_main_process():
         if len(cfg.DATASETS.TEST) == 1:  # DefaultTrainer.test unwraps a single dataset's results
             results = {cfg.DATASETS.TEST[0]: results}
-        write_json_atomic(Path(cfg.OUTPUT_DIR) / "metrics.json", {
-            "config_file": args.config_file, "weights": cfg.MODEL.WEIGHTS, "seed": cfg.SEED,
-            "eval_only": bool(args.eval_only), "iterations": iteration,
-            "world_size": comm.get_world_size(), "ims_per_batch": cfg.SOLVER.IMS_PER_BATCH,
-            "base_lr": cfg.SOLVER.BASE_LR, "notices": notes,
-            "results": _finite({name: {task: dict(m) for task, m in r.items()} for name, r in results.items()}),
-        })
+        write_json_atomic(
+            Path(cfg.OUTPUT_DIR) / "metrics.json",
+            {
+                "config_file": args.config_file,
+                "weights": cfg.MODEL.WEIGHTS,
+                "seed": cfg.SEED,
+                "eval_only": bool(args.eval_only),
+                "iterations": iteration,
+                "world_size": comm.get_world_size(),
+                "ims_per_batch": cfg.SOLVER.IMS_PER_BATCH,
+                "base_lr": cfg.SOLVER.BASE_LR,
+                "notices": notes,
+                "results": _finite({name: {task: dict(m) for task, m in r.items()} for name, r in results.items()}),
+            },
+        )
 
 
 def check_inputs(cfg: CfgNode, args) -> None:
@@ -130,7 +138,8 @@ def aggregate(runs: dict[int, dict]) -> dict:
                     continue
                 mean.setdefault(name, {}).setdefault(task, {})[metric] = statistics.fmean(values)
                 std.setdefault(name, {}).setdefault(task, {})[metric] = (
-                    statistics.stdev(values) if len(values) > 1 else None)
+                    statistics.stdev(values) if len(values) > 1 else None
+                )
     return {"mean": mean, "std": std}
 
 
@@ -173,23 +182,38 @@ def _run_seeds(cfg: CfgNode, notes: list[str], args) -> dict:
         run_cfg.freeze()
         metrics_path = Path(run_cfg.OUTPUT_DIR) / "metrics.json"
         # Whether a seed is finished is decided inside the launched processes, by global rank 0.
-        launch(worker, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
-               dist_url=args.dist_url, args=(run_cfg, notes, args, len(seeds) > 1 and args.resume))
+        launch(
+            worker,
+            args.num_gpus,
+            num_machines=args.num_machines,
+            machine_rank=args.machine_rank,
+            dist_url=args.dist_url,
+            args=(run_cfg, notes, args, len(seeds) > 1 and args.resume),
+        )
         if args.machine_rank == 0:  # global rank 0 lives on machine 0 and wrote the file
             runs[seed] = json.loads(metrics_path.read_text())
     if args.machine_rank != 0:
         return {}
-    empty = sorted({f"seed {seed}: {name}" for seed, r in runs.items() for name, res in r["results"].items()
-                    if not res} | {f"seed {seed}" for seed, r in runs.items() if not r["results"]})
+    empty = sorted(
+        {f"seed {seed}: {name}" for seed, r in runs.items() for name, res in r["results"].items() if not res}
+        | {f"seed {seed}" for seed, r in runs.items() if not r["results"]}
+    )
     if empty:
-        raise UserError(f"the evaluation produced no results ({', '.join(empty)}); see {out}/log.txt "
-                        "(a test set without annotations, or DATASETS.TEST empty)")
+        raise UserError(
+            f"the evaluation produced no results ({', '.join(empty)}); see {out}/log.txt "
+            "(a test set without annotations, or DATASETS.TEST empty)"
+        )
     if len(seeds) == 1:
         metrics = runs[seeds[0]]
     else:
-        metrics = {"config_file": args.config_file, "weights": cfg.MODEL.WEIGHTS, "seeds": seeds,
-                   "runs": {str(s): str(out / f"seed_{s}") for s in seeds}, **aggregate(runs),
-                   "per_seed": {str(s): r["results"] for s, r in runs.items()}}
+        metrics = {
+            "config_file": args.config_file,
+            "weights": cfg.MODEL.WEIGHTS,
+            "seeds": seeds,
+            "runs": {str(s): str(out / f"seed_{s}") for s in seeds},
+            **aggregate(runs),
+            "per_seed": {str(s): r["results"] for s, r in runs.items()},
+        }
         write_json_atomic(out / "metrics.json", metrics)
     for line in summary_lines(metrics):
         print(line, flush=True)

@@ -9,9 +9,9 @@ import re
 import weakref
 
 from detectron2.checkpoint import DetectionCheckpointer
+from detectron2.data import MetadataCatalog
 from detectron2.engine import AMPTrainer, DefaultTrainer, SimpleTrainer, TrainerBase, create_ddp_model
 from detectron2.evaluation import COCOEvaluator, PascalVOCDetectionEvaluator
-from detectron2.data import MetadataCatalog
 from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
@@ -56,7 +56,8 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
             raise BackboneNotLoaded(
                 f"weights file left {len(missing)} of the {len(body)} backbone tensors unloaded "
                 f"(first: {', '.join(missing[:3])}); expected a ResNet of the config's MODEL.RESNETS.DEPTH "
-                "in detectron2 names (python -m converters.to_detectron2 writes them)")
+                "in detectron2 names (python -m converters.to_detectron2 writes them)"
+            )
         logger.info(f"all {len(body)} backbone tensors loaded from the weights file")
         return incompatible
 
@@ -85,13 +86,17 @@ class Trainer(DefaultTrainer):
     def build_evaluator(cls, cfg, dataset_name, output_folder=None):
         evaluator_type = MetadataCatalog.get(dataset_name).get("evaluator_type")
         if evaluator_type not in EVALUATORS:
-            raise ValueError(f"dataset {dataset_name}: no evaluator for evaluator_type {evaluator_type!r} "
-                             f"(known: {', '.join(EVALUATORS)})")
+            raise ValueError(
+                f"dataset {dataset_name}: no evaluator for evaluator_type {evaluator_type!r} "
+                f"(known: {', '.join(EVALUATORS)})"
+            )
         return EVALUATORS[evaluator_type](dataset_name, output_folder or os.path.join(cfg.OUTPUT_DIR, "inference"))
 
     def build_writers(self):
         # detectron2 calls its per-iteration JSON log metrics.json; that name is this tool's
         # final-results file, so the training log is training_metrics.json.
-        return [CommonMetricPrinter(self.max_iter),
-                JSONWriter(os.path.join(self.cfg.OUTPUT_DIR, "training_metrics.json")),
-                TensorboardXWriter(self.cfg.OUTPUT_DIR)]
+        return [
+            CommonMetricPrinter(self.max_iter),
+            JSONWriter(os.path.join(self.cfg.OUTPUT_DIR, "training_metrics.json")),
+            TensorboardXWriter(self.cfg.OUTPUT_DIR),
+        ]
