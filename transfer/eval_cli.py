@@ -118,6 +118,20 @@ def resolve_size(resize: int | None, crop: int | str, trained_at: int | None) ->
     return resize, crop
 
 
+def source_record(weights, encoder: str, backbone) -> dict:
+    """What every evaluator's metrics.json says about the weights it evaluated."""
+    return {
+        "checkpoint": str(weights),
+        "encoder": encoder,
+        "backbone": {
+            "arch": backbone.arch,
+            "stem": backbone.stem,
+            "layout": backbone.layout,
+            "pretraining_image_size": backbone.image_size,
+        },
+    }
+
+
 def add_loader_args(parser: argparse.ArgumentParser, batch_size: int | None, workers: int = 4) -> None:
     parser.add_argument(
         "--batch-size",

@@ -122,14 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     acc = knn_evaluate(bank, train.labels, query, val.labels, len(train.classes), args.k, args.t)
     metrics = {
         "protocol": "knn",
-        "checkpoint": str(args.weights),
-        "encoder": args.encoder,
-        "backbone": {
-            "arch": backbone.arch,
-            "stem": backbone.stem,
-            "layout": backbone.layout,
-            "pretraining_image_size": backbone.image_size,
-        },
+        **eval_cli.source_record(args.weights, args.encoder, backbone),
         "feature": {"layer": "res5avg", "dim": int(bank.shape[1]), "normalization": "L2"},
         "preprocessing": prep.describe(),
         "k": args.k,

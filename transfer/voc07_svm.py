@@ -329,14 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         described = LayerFeatures(model, layers).describe(crop)
         metrics = {
             "protocol": "voc07_svm",
-            "checkpoint": str(args.weights),
-            "encoder": args.encoder,
-            "backbone": {
-                "arch": backbone.arch,
-                "stem": backbone.stem,
-                "layout": backbone.layout,
-                "pretraining_image_size": backbone.image_size,
-            },
+            **eval_cli.source_record(args.weights, args.encoder, backbone),
             "preprocessing": prep.describe(),
             "svm": {
                 **{k: v for k, v in SVM_PARAMS.items() if k != "class_weight"},
