@@ -4,11 +4,8 @@ Every reader of weights (converters, VOC07 SVM, linear and kNN probes, detection
 ``load_backbone``, so all of them accept the same files. The result is always a torchvision ResNet
 state dict (``conv1.weight``, ``layer1.0.bn1.running_mean``, ...) without ``fc``.
 
-A *layout* says where the backbone lives in a file: which container (a dotted path of dict keys,
-``""`` for the file itself) and which key prefix, for the query (online) encoder and, when there is
-one, the momentum encoder. Before matching, the wrappers ``module.`` (DataParallel/DDP) and
-``_orig_mod.`` (torch.compile) are removed from every key. Auto-detection tries the layouts in
-``LAYOUTS`` order and takes the first that holds a ResNet.
+A *layout* (``converters.layouts``) says where the backbone lives in a file; this project's own
+files carry the backbone record of ``contrastive_transfer.contract``, whose version is checked here.
 
 The depth is read from the keys (blocks per stage, basic vs bottleneck blocks, bottleneck width),
 then every tensor is checked against a torchvision model of that depth: a wrong file fails here with
@@ -17,14 +14,12 @@ one line naming the file and the keys, not later inside detectron2.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 import os
 import pickle
 import re
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +27,9 @@ import torch
 import torchvision
 from torch import nn
 
-from contrastive_transfer.cli import DEBUG_HELP, UserError, describe
+from contrastive_transfer.cli import UserError
+from contrastive_transfer.contract import FormatError, pretraining_image_size, read_backbone_record
+from converters.layouts import ENCODERS, LAYOUTS, Layout  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -108,65 +105,8 @@ def _expected_shapes(arch: str, stem: str) -> dict[str, tuple[int, ...]]:
 
 
 # --------------------------------------------------------------------------------------------
-# Layouts
+# Reading a layout
 
-
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    description: str
-    query: tuple[tuple[str, str], ...]  # (container, key prefix) of the query/online encoder, tried in order
-    key: tuple[tuple[str, str], ...] = ()  # the same for the momentum (key / teacher) encoder
-
-
-def _sources(containers: tuple[str, ...], prefixes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    return tuple((c, p) for c in containers for p in prefixes)
-
-
-LAYOUTS: dict[str, Layout] = {
-    layout.name: layout
-    for layout in (
-        Layout(
-            "project",
-            "this project's checkpoint_final.pth (backbone / momentum_backbone in torchvision names)",
-            query=(("backbone", ""),),
-            key=(("momentum_backbone", ""),),
-        ),
-        Layout(
-            "project-training",
-            "this project's checkpoint_last.pth (method state: encoder_q./encoder./encoder_k. + backbone.)",
-            query=_sources(("method",), ("encoder_q.backbone.", "encoder.backbone.", "online.backbone.")),
-            key=_sources(("method",), ("encoder_k.backbone.", "momentum_encoder.backbone.", "target.backbone.")),
-        ),
-        Layout(
-            "moco",
-            "official MoCo v1/v2/v3 and AdCo checkpoints (state_dict with module.encoder_q. / module.base_encoder.)",
-            query=_sources(("state_dict", ""), ("encoder_q.", "base_encoder.")),
-            key=_sources(("state_dict", ""), ("encoder_k.", "momentum_encoder.")),
-        ),
-        Layout(
-            "vissl",
-            "VISSL checkpoints (classy_state_dict.base_model.model.trunk with _feature_blocks.)",
-            query=_sources(
-                ("classy_state_dict.base_model.model.trunk", "classy_state_dict.base_model.model", "model", ""),
-                ("_feature_blocks.", "trunk._feature_blocks."),
-            ),
-        ),
-        Layout(
-            "backbone",
-            "backbone.-prefixed state dicts (solo-learn, lightly, DINO student/teacher)",
-            query=_sources(("state_dict", "model", "student", ""), ("backbone.",)),
-            key=_sources(("state_dict", "model", ""), ("momentum_backbone.", "backbone_momentum."))
-            + (("teacher", "backbone."),),
-        ),
-        Layout(
-            "torchvision",
-            "a torchvision ResNet state dict (fc.* dropped)",
-            query=_sources(("state_dict", "model", ""), ("",)),
-        ),
-    )
-}
-ENCODERS = ("query", "key")
 
 # A torchvision ResNet flattened into nn.Sequential(*list(resnet.children())[:-1]) (lightly's
 # examples) numbers its children: conv1, bn1, relu, maxpool, layer1..layer4, avgpool.
@@ -355,6 +295,10 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
     if layout != "auto" and layout not in LAYOUTS:
         raise CheckpointError(f"layout={layout!r}: expected 'auto' or one of {list(LAYOUTS)}")
     ckpt = _load_file(path)
+    try:  # this project's files: the version is checked here
+        record = read_backbone_record(ckpt, source)
+    except FormatError as e:
+        raise CheckpointError(str(e)) from None
     candidates = list(LAYOUTS.values()) if layout == "auto" else [LAYOUTS[layout]]
 
     found = next((candidate for candidate in candidates if _find(ckpt, candidate.query) is not None), None)
@@ -364,6 +308,11 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
             if layout == "auto"
             else f"not in the {layout!r} layout ({LAYOUTS[layout].description})"
         )
+        if isinstance(ckpt, Mapping) and {"method", "optimizer", "step"} <= ckpt.keys():
+            which = (
+                "a training checkpoint of this project written before it carried the backbone record; "
+                "convert the run's checkpoint_final.pth, or resume the run once to rewrite it"
+            )
         raise CheckpointError(f"{source}: {which}; {_describe(ckpt)}")
 
     hit = _find(ckpt, found.query if encoder == "query" else found.key)
@@ -384,15 +333,13 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
         for k in others
         if other_prefix is None or not k.startswith(other_prefix) or not _is_backbone_tensor(k[len(other_prefix) :])
     ]
-    return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder, _pretraining_image_size(ckpt))
-
-
-def _pretraining_image_size(ckpt) -> int | None:
-    """``data.image_size`` of the config this project saves in its checkpoints; None elsewhere."""
-    config = ckpt.get("config") if isinstance(ckpt, Mapping) else None
-    data = config.get("data") if isinstance(config, Mapping) else None
-    size = data.get("image_size") if isinstance(data, Mapping) else None
-    return size if isinstance(size, int) and size > 0 else None
+    if record is not None and (record.get("arch"), record.get("stem")) != (arch, stem):
+        raise CheckpointError(
+            f"{source}: the record says {record.get('arch')} ({record.get('stem')} stem) "
+            f"but its tensors are {arch} ({stem} stem)"
+        )
+    size = pretraining_image_size(record) if record is not None else None
+    return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder, size)
 
 
 def build_resnet(backbone: Backbone) -> nn.Module:
@@ -400,64 +347,6 @@ def build_resnet(backbone: Backbone) -> nn.Module:
     net = _torchvision_resnet(backbone.arch, backbone.stem)
     net.load_state_dict(backbone.state_dict, strict=True)
     return net.eval()
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """write(tmp) into a temp file beside `path`, then rename: a failure never leaves a partial file
-    and never destroys an existing one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def add_arguments(parser: argparse.ArgumentParser, output_help: str) -> None:
-    """The command-line arguments every converter shares."""
-    parser.add_argument("input", help="checkpoint of any supported layout")
-    parser.add_argument("output", help=output_help)
-    parser.add_argument(
-        "--encoder",
-        choices=ENCODERS,
-        default="query",
-        help="query = the online encoder (default); key = the momentum (key/teacher) encoder",
-    )
-    parser.add_argument(
-        "--layout",
-        choices=["auto", *LAYOUTS],
-        default="auto",
-        help="force a layout instead of detecting it: "
-        + "; ".join(f"{name} = {lay.description}" for name, lay in LAYOUTS.items()),
-    )
-
-
-def run_converter(
-    argv: list[str] | None,
-    prog: str,
-    description: str,
-    output_help: str,
-    convert: Callable[..., dict],
-    report: Callable[[dict], None],
-) -> int:
-    """The whole command line of a converter: parse, ``convert(input, output, encoder, layout)``,
-    ``report(summary)``; 0, or 1 after one ``error: ...`` line on stderr for a bad input or an
-    unusable path (``--debug`` shows the traceback instead)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=DEBUG_HELP)
-    add_arguments(parser, output_help)
-    parser.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    try:
-        summary = convert(args.input, args.output, args.encoder, args.layout)
-    except (UserError, OSError) as e:
-        if args.debug:
-            raise
-        print(f"error: {describe(e)}", file=sys.stderr)
-        return 1
-    report(summary)
-    return 0
 
 
 def summary_lines(backbone: Backbone) -> list[str]:

@@ -25,17 +25,14 @@ import os
 import pickle
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from converters.checkpoint_io import (
-    Backbone,
-    CheckpointError,
-    atomic_write,
-    load_backbone,
-    run_converter,
-    summary_lines,
-)
+from converters.cli import run_converter
+
+if TYPE_CHECKING:  # the torch part is imported by convert(), so that --help answers at once
+    from converters.checkpoint_io import Backbone
 
 AUTHOR = "contrastive-transfer"
 
@@ -82,6 +79,8 @@ def detectron2_config(backbone: Backbone) -> dict[str, object]:
 
 def to_detectron2(backbone: Backbone) -> dict[str, np.ndarray]:
     """The backbone's tensors under detectron2 names, as numpy arrays (what detectron2's .pkl holds)."""
+    from converters.checkpoint_io import CheckpointError
+
     if backbone.stem != "imagenet":
         raise CheckpointError(
             f"{backbone.source}: {backbone.arch} has the small 3x3/1 stem (conv1.weight "
@@ -99,6 +98,9 @@ def convert(
     in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query", layout: str = "auto"
 ) -> dict:
     """Write the detectron2 pickle atomically; returns a summary (also what the CLI prints)."""
+    from contrastive_transfer.cli import atomic_write
+    from converters.checkpoint_io import CheckpointError, load_backbone, summary_lines
+
     out_path = Path(out_path)
     if out_path.suffix != ".pkl":
         raise CheckpointError(

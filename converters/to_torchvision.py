@@ -13,14 +13,17 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
-from converters.checkpoint_io import CheckpointError, atomic_write, load_backbone, run_converter, summary_lines
+from converters.cli import run_converter
 
 
 def convert(
     in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query", layout: str = "auto"
 ) -> dict:
+    import torch  # here, so that --help answers at once
+
+    from contrastive_transfer.cli import atomic_write
+    from converters.checkpoint_io import CheckpointError, load_backbone, summary_lines
+
     out_path = Path(out_path)
     if out_path.suffix == ".pkl":
         raise CheckpointError(

@@ -1,9 +1,10 @@
-"""Checkpoints: atomic writes, exact resume, and the final backbone export.
+"""Checkpoints: atomic writes, exact resume, and the backbone record.
 
-``checkpoint_last.pth`` (training state, rewritten in place atomically) holds the method's full
-state_dict (encoders, momentum encoders, queues and pointers), the optimizer, the fp16 scaler,
-the RNG states of every rank and the global step. ``checkpoint_final.pth`` is the contract with
-``converters`` and ``transfer``: the backbone(s) in torchvision ResNet naming plus metadata.
+Both files carry the backbone record of ``contrastive_transfer.contract`` (the format every reader
+of weights uses). ``checkpoint_last.pth`` (rewritten atomically, the previous one kept as
+``checkpoint_prev.pth``) adds the training state: the method's full state_dict (encoders, momentum
+encoders, queues and pointers), the optimizer, the fp16 scaler, the RNG states of every rank and the
+global step. ``checkpoint_final.pth`` is the record alone.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import torch.distributed as torch_dist
 from omegaconf import OmegaConf
 
 from contrastive_transfer.cli import UserError, atomic_write
+from contrastive_transfer.contract import BACKBONE_FORMAT, FINAL_NAME, LAST_NAME, PREV_NAME, backbone_record
 from pretrain import dist
 
-FINAL_FORMAT = "contrastive-transfer/backbone/v1"
-LAST_NAME, PREV_NAME = "checkpoint_last.pth", "checkpoint_prev.pth"
+FINAL_FORMAT = BACKBONE_FORMAT  # the name older code imports
+__all__ = ["FINAL_NAME", "LAST_NAME", "PREV_NAME", "FINAL_FORMAT"]
 
 
 class ResumeError(UserError):
@@ -96,14 +98,13 @@ def save_training_state(path: Path, accelerator, method, optimizer, step: int, s
         keep_previous(path)
         atomic_save(
             {
+                **record(method, cfg, step),
                 "method": method.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "rng": rngs,
-                "step": step,
                 "steps_per_epoch": steps_per_epoch,
-                "config": OmegaConf.to_container(cfg),
-            },
+            },  # "step" and "config" come with the record
             path,
         )
     accelerator.wait_for_everyone()
@@ -231,22 +232,22 @@ def choose_resume(cfg, log=print) -> tuple[Path, dict] | None:
     return None
 
 
-def export_final(path: Path, method, cfg, step: int) -> None:
-    """The backbone (and the momentum encoder's, if any) in torchvision ResNet naming."""
+def record(method, cfg, step: int) -> dict:
+    """The backbone record (``contrastive_transfer.contract``) of the method at this step."""
     momentum = method.momentum_backbone
-    atomic_save(
-        {
-            "format": FINAL_FORMAT,
-            "backbone": {k: v.detach().cpu() for k, v in method.backbone.state_dict().items()},
-            "momentum_backbone": (
-                None if momentum is None else {k: v.detach().cpu() for k, v in momentum.state_dict().items()}
-            ),
-            "arch": cfg.model.arch,
-            "stem": cfg.model.stem,
-            "method": cfg.method.name,
-            "step": step,
-            "git_sha": git_sha(),
-            "config": OmegaConf.to_container(cfg),
-        },
-        path,
+    return backbone_record(
+        method.backbone.state_dict(),
+        None if momentum is None else momentum.state_dict(),
+        arch=cfg.model.arch,
+        stem=cfg.model.stem,
+        image_size=cfg.data.image_size,
+        method=cfg.method.name,
+        step=step,
+        git_sha=git_sha(),
+        config=OmegaConf.to_container(cfg),
     )
+
+
+def export_final(path: Path, method, cfg, step: int) -> None:
+    """``checkpoint_final.pth``: the backbone record alone."""
+    atomic_save(record(method, cfg, step), path)

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE
 
 
 class ConfigError(UserError, ValueError):
@@ -74,8 +75,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "train_dir": None,
         "val_dir": None,
         "every_epochs": 1,
-        "k": 200,
-        "temperature": 0.1,
+        "k": KNN_K,  # the vote of transfer.knn, with its defaults
+        "temperature": KNN_TEMPERATURE,
     },
 }
 

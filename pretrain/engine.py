@@ -23,6 +23,7 @@ from tqdm import tqdm
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove_stale_temporaries
 from pretrain import dist
 from pretrain.checkpoint import (
+    FINAL_NAME,
     LAST_NAME,
     PREV_NAME,
     ResumeError,
@@ -356,7 +357,7 @@ def _train(cfg, accelerator: Accelerator) -> Path:
     bar.close()
 
     # ------------------------------------------------------------------ export
-    final = out / "checkpoint_final.pth"
+    final = out / FINAL_NAME
     skipped = sorted({path for paths in dist.gather_objects(bad_images.bad) for path in paths})
     if main:
         export_final(final, method, cfg, step)

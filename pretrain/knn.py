@@ -1,7 +1,6 @@
-"""Weighted kNN classification on frozen, L2-normalized backbone features (InstDisc protocol).
-
-Each validation image takes its k most cosine-similar training images; neighbour j votes for its
-class with weight exp(sim_j / t); the prediction is the class with the largest summed weight.
+"""The pretraining kNN monitor: features of a labelled ImageFolder extracted by every process (each
+a shard), then the vote of ``contrastive_transfer.contract.knn_vote`` (the one ``transfer.knn``
+uses): neighbour j votes for its class with weight exp(sim_j / t).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import ImageFolder
 
+from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_vote
 from pretrain import dist
 from pretrain.data import eval_transform
 
@@ -63,34 +63,14 @@ def extract_features(
     return gathered[0][keep], gathered[1][keep], dataset.classes
 
 
-@torch.no_grad()
-def knn_predict(
-    query: torch.Tensor,
-    bank: torch.Tensor,
-    bank_labels: torch.Tensor,
-    num_classes: int,
-    k: int = 200,
-    t: float = 0.1,
-    chunk: int = 1024,
-) -> torch.Tensor:
-    """Class scores (Nq, C) of normalized queries (Nq, D) against a normalized bank (Nb, D)."""
-    k = min(k, bank.shape[0])
-    scores = []
-    for q in query.split(chunk):
-        sim, idx = (q @ bank.T).topk(k, dim=1)
-        votes = F.one_hot(bank_labels[idx], num_classes).float() * (sim / t).exp().unsqueeze(-1)
-        scores.append(votes.sum(dim=1))
-    return torch.cat(scores)
-
-
 def knn_accuracy(
     backbone: nn.Module,
     train_dir: str,
     val_dir: str,
     image_size: int,
     device: torch.device,
-    k: int = 200,
-    t: float = 0.1,
+    k: int = KNN_K,
+    t: float = KNN_TEMPERATURE,
     workers: int = 0,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> float:
@@ -104,5 +84,5 @@ def knn_accuracy(
     )
     if classes != val_classes:
         raise ValueError(f"kNN: class folders differ between {train_dir} and {val_dir}")
-    pred = knn_predict(query, bank, bank_labels, len(classes), k, t).argmax(dim=1)
+    pred = knn_vote(query, bank, bank_labels, len(classes), k, t).argmax(dim=1)
     return 100.0 * (pred == labels).float().mean().item()

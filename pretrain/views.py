@@ -27,11 +27,11 @@ from typing import Any, Callable
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchvision.transforms import v2
 
+from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+
 PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "augment"
 PRESETS = ("mocov1", "mocov2", "simclr", "byol")
 ALIASES = {"aug+": "mocov2", "aug_plus": "mocov2", "moco_v1": "mocov1", "moco_v2": "mocov2"}
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 INTERPOLATIONS = {
     "bilinear": v2.InterpolationMode.BILINEAR,
     "bicubic": v2.InterpolationMode.BICUBIC,

@@ -23,14 +23,13 @@ from torch.utils.data import DataLoader
 from torchvision.models.feature_extraction import create_feature_extractor
 from torchvision.transforms import v2
 
-from converters.checkpoint_io import Backbone, atomic_write, build_resnet, load_backbone
+from contrastive_transfer.cli import atomic_write
+from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+from converters.checkpoint_io import Backbone, build_resnet, load_backbone
 from transfer.eval_cli import progress
 from transfer.layers import LAYERS, LayerSpec, pooling_for  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def pool(layer: str, fmap: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.output_dir)
     # One probe per output directory: a second one would interleave its epochs into the same files.
     with OutputLock(out, "--output-dir"):
-        from converters.checkpoint_io import atomic_write
+        from contrastive_transfer.cli import atomic_write
         from transfer.linear_probe import run
 
         metrics = run(args)

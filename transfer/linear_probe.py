@@ -16,10 +16,9 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 from transfer import eval_cli
 from transfer.features import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     LayerFeatures,
     Preprocessing,
     default_device,
@@ -96,7 +95,7 @@ def backbone_changes(model: nn.Module, reference: dict[str, torch.Tensor]) -> li
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    from converters.checkpoint_io import atomic_write
+    from contrastive_transfer.cli import atomic_write
 
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 

@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     if bad or not layers:
         raise UserError(f"--layers {args.layers!r}: expected names from {', '.join(LAYERS)}")
 
-    from converters.checkpoint_io import atomic_write, summary_lines
+    from contrastive_transfer.cli import atomic_write
+    from converters.checkpoint_io import summary_lines
     from transfer.datasets.readers import read_voc_labels
     from transfer.features import FeatureCache, LayerFeatures, Preprocessing, load_model
 

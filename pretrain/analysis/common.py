@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from contrastive_transfer.cli import UserError
-from converters.checkpoint_io import atomic_write
+from contrastive_transfer.cli import UserError, atomic_write
 
 
 class AnalysisError(UserError, ValueError):

@@ -98,8 +98,14 @@ def layout_checkpoints(q: dict, k: dict) -> dict[str, tuple[object, str, bool]]:
             "project",
             True,
         ),
-        "project-training": (
+        "project-training": (  # checkpoint_last.pth: the record plus the training state
             {
+                "format": "contrastive-transfer/backbone/v1",
+                "backbone": q,
+                "momentum_backbone": k,
+                "arch": "resnet18",
+                "stem": "imagenet",
+                "image_size": 64,
                 "method": {
                     **_prefixed("encoder_q.backbone.", q),
                     **_prefixed("encoder_q.head.", head),
@@ -115,13 +121,8 @@ def layout_checkpoints(q: dict, k: dict) -> dict[str, tuple[object, str, bool]]:
                 "steps_per_epoch": 5,
                 "config": {},
             },
-            "project-training",
+            "project",
             True,
-        ),
-        "project-training-simclr": (
-            {"method": {**_prefixed("encoder.backbone.", q), **_prefixed("encoder.head.", head)}, "step": 1},
-            "project-training",
-            False,
         ),
         "moco-official": (
             {

@@ -3,7 +3,6 @@ checkpoints, and the one-line errors for bad input."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -24,7 +23,6 @@ def _assert_same_tensors(got: dict, want: dict) -> None:
         "torchvision-ddp-nested",
         "project-final",
         "project-training",
-        "project-training-simclr",
         "moco-official",
         "mocov3-official",
         "solo-learn",
@@ -89,10 +87,20 @@ def test_build_resnet_reproduces_the_source_network(stem, make_resnet, tmp_path)
 # ---- this project's own checkpoints, written by pretrain ------------------------------------------------------
 
 
+class _OneProcess:
+    """The part of an Accelerator that save_training_state uses, for one process."""
+
+    is_main_process, scaler = True, None
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
 def test_reads_checkpoints_written_by_pretrain(tmp_path):
-    """checkpoint_final.pth (export_final) and checkpoint_last.pth (method state) of a real MoCo v2
-    model, both encoders; a real SimCLR training state (single encoder, `encoder.` prefix)."""
-    from pretrain.checkpoint import atomic_save, export_final
+    """checkpoint_final.pth and checkpoint_last.pth as pretrain writes them (export_final,
+    save_training_state) for a real MoCo v2 model, both encoders, and a SimCLR one (no momentum
+    encoder): the same backbones, through the record, whichever file."""
+    from pretrain.checkpoint import export_final, save_training_state
     from pretrain.config import load_config
     from pretrain.methods import METHODS
 
@@ -103,31 +111,53 @@ def test_reads_checkpoints_written_by_pretrain(tmp_path):
         for p in moco.encoder_q.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     export_final(tmp_path / "checkpoint_final.pth", moco, cfg, step=7)
-    atomic_save(
-        {
-            "method": moco.state_dict(),
-            "optimizer": {},
-            "rng": [{"numpy": np.random.get_state()}],
-            "step": 7,
-            "steps_per_epoch": 1,
-            "config": {},
-        },
-        tmp_path / "checkpoint_last.pth",
-    )
-    for file, layout in [("checkpoint_final.pth", "project"), ("checkpoint_last.pth", "project-training")]:
+    optimizer = torch.optim.SGD(moco.parameters(), lr=0.1)
+    save_training_state(tmp_path / "checkpoint_last.pth", _OneProcess(), moco, optimizer, 7, 1, cfg)
+    for file, layout in [("checkpoint_final.pth", "project"), ("checkpoint_last.pth", "project")]:
         for encoder, reference in [("query", moco.backbone), ("key", moco.momentum_backbone)]:
             backbone = load_backbone(tmp_path / file, encoder=encoder)
             assert (backbone.layout, backbone.arch, backbone.stem) == (layout, cfg.model.arch, cfg.model.stem)
+            assert backbone.image_size == cfg.data.image_size
             with torch.no_grad():
                 torch.testing.assert_close(build_resnet(backbone)(x), reference.eval()(x), rtol=0, atol=0)
+    # the name users passed for training checkpoints still reads them
+    assert load_backbone(tmp_path / "checkpoint_last.pth", layout="project-training").layout == "project-training"
 
     cfg = load_config("configs/pretrain/tiny_simclr.yaml")
     simclr = METHODS["simclr"](cfg, 1).eval()
-    atomic_save({"method": simclr.state_dict(), "step": 1}, tmp_path / "simclr_last.pth")
+    optimizer = torch.optim.SGD(simclr.parameters(), lr=0.1)
+    save_training_state(tmp_path / "simclr_last.pth", _OneProcess(), simclr, optimizer, 1, 1, cfg)
     backbone = load_backbone(tmp_path / "simclr_last.pth")
-    assert backbone.layout == "project-training" and any(k.startswith("encoder.head.") for k in backbone.dropped)
+    assert backbone.layout == "project" and not backbone.dropped
     with torch.no_grad():
         torch.testing.assert_close(build_resnet(backbone)(x), simclr.backbone(x), rtol=0, atol=0)
+    with pytest.raises(CheckpointError, match="no momentum encoder"):
+        load_backbone(tmp_path / "simclr_last.pth", encoder="key")
+
+
+def test_the_record_is_checked_against_its_version_and_its_tensors(layout_files, tmp_path):
+    record = torch.load(layout_files["project-final"][0], weights_only=False)
+    newer = _write(tmp_path, {**record, "format": "contrastive-transfer/backbone/v2"}, "newer.pth")
+    with pytest.raises(CheckpointError, match=r"newer\.pth: written in format 'contrastive-transfer/backbone/v2'"):
+        load_backbone(newer)
+    lying = _write(tmp_path, {**record, "arch": "resnet50"}, "lying.pth")
+    with pytest.raises(CheckpointError, match=r"lying\.pth: the record says resnet50 .* its tensors are resnet18"):
+        load_backbone(lying)
+    empty = _write(tmp_path, {**record, "backbone": None}, "empty.pth")
+    with pytest.raises(CheckpointError, match=r"empty\.pth: a contrastive-transfer/backbone/v1 file without"):
+        load_backbone(empty)
+
+
+def test_a_training_state_without_the_record_is_named_not_parsed(resnet18_pair, tmp_path):
+    """Training states written before they carried the record: the converters do not dig into the
+    method's attributes, they say which file to convert instead."""
+    old = {"method": _prefixed_sd("encoder_q.backbone.", resnet18_pair[0]), "optimizer": {}, "step": 3}
+    with pytest.raises(CheckpointError, match=r"old\.pth: a training checkpoint .* convert the run's checkpoint_final"):
+        load_backbone(_write(tmp_path, old, "old.pth"))
+
+
+def _prefixed_sd(prefix: str, sd: dict) -> dict:
+    return {prefix + k: v for k, v in sd.items()}
 
 
 # ---- bad input: one line naming the file and what is wrong ------------------------------------------------------

@@ -1,0 +1,138 @@
+"""What pretraining, the converters and the evaluators agree on: the checkpoint file format, the
+ImageNet normalization and the kNN vote. ``pretrain`` writes through this module, ``converters``
+and ``transfer`` read through it; none of them imports another for these.
+
+The backbone record
+-------------------
+Both files a pretraining run writes carry the same record at their top level::
+
+    format             "contrastive-transfer/backbone/v1"  (BACKBONE_FORMAT; readers refuse other versions)
+    backbone           {torchvision ResNet name: tensor}   the query/online encoder's ResNet, no fc
+    momentum_backbone  the same for the momentum (key) encoder, or None
+    arch, stem         e.g. "resnet50", "imagenet" (7x7/2 conv + max-pool) | "small" (3x3/1, no max-pool)
+    image_size         the pretraining crop in pixels (evaluators use it for --crop auto)
+    method, step, git_sha, config
+
+``checkpoint_final.pth`` is the record alone. ``checkpoint_last.pth`` (and ``checkpoint_prev.pth``)
+add the training state under ``TRAINING_KEYS`` (the method's state_dict, optimizer, scaler, RNG
+states, ...), which only ``pretrain`` reads: a reader of weights never parses a method's internals.
+
+Torch is imported inside the functions that need it, so a command's ``--help`` does not wait for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from contrastive_transfer.cli import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+BACKBONE_FORMAT = "contrastive-transfer/backbone/v1"
+_FORMAT_FAMILY = BACKBONE_FORMAT.rsplit("/", 1)[0] + "/"
+FINAL_NAME, LAST_NAME, PREV_NAME = "checkpoint_final.pth", "checkpoint_last.pth", "checkpoint_prev.pth"
+TRAINING_KEYS = ("method", "optimizer", "scaler", "rng", "step", "steps_per_epoch")
+STEMS = ("imagenet", "small")
+
+# torchvision's ImageNet statistics (RGB, 0-1 scale): every pretraining view and every evaluation.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# The weighted kNN classifier of InstDisc (Wu et al. 2018; DINO's eval_knn): k 200, τ 0.07. The
+# pretraining monitor and `transfer.knn` share the vote and these defaults, so their figures compare.
+KNN_K, KNN_TEMPERATURE = 200, 0.07
+
+
+class FormatError(UserError, ValueError):
+    """A file that claims this project's format but cannot be read as it (another version, a
+    missing key); the message is one line naming the file."""
+
+
+def backbone_record(
+    backbone: Mapping[str, torch.Tensor],
+    momentum_backbone: Mapping[str, torch.Tensor] | None,
+    *,
+    arch: str,
+    stem: str,
+    image_size: int,
+    method: str,
+    step: int,
+    git_sha: str,
+    config: dict,
+) -> dict[str, Any]:
+    """The record both checkpoint files carry (tensors detached, on the CPU)."""
+    if stem not in STEMS:
+        raise ValueError(f"stem={stem!r}: expected one of {STEMS}")
+
+    def cpu(sd):
+        return None if sd is None else {k: v.detach().cpu() for k, v in sd.items()}
+
+    return {
+        "format": BACKBONE_FORMAT,
+        "backbone": cpu(backbone),
+        "momentum_backbone": cpu(momentum_backbone),
+        "arch": arch,
+        "stem": stem,
+        "image_size": int(image_size),
+        "method": method,
+        "step": int(step),
+        "git_sha": git_sha,
+        "config": config,
+    }
+
+
+def read_backbone_record(ckpt: object, source: str) -> dict[str, Any] | None:
+    """The record of a loaded checkpoint, None if the file is not in this project's format; a
+    FormatError for a version this code does not know or a record without its backbone."""
+    if not isinstance(ckpt, Mapping):
+        return None
+    fmt = ckpt.get("format")
+    if not (isinstance(fmt, str) and fmt.startswith(_FORMAT_FAMILY)):
+        return None
+    if fmt != BACKBONE_FORMAT:
+        raise FormatError(
+            f"{source}: written in format {fmt!r}; this version reads {BACKBONE_FORMAT!r}: "
+            "convert it with the version of this project that wrote it"
+        )
+    if not isinstance(ckpt.get("backbone"), Mapping):
+        raise FormatError(f"{source}: a {BACKBONE_FORMAT} file without its 'backbone' tensors")
+    return dict(ckpt)
+
+
+def pretraining_image_size(record: Mapping[str, Any]) -> int | None:
+    """The pretraining crop of a record (``config.data.image_size`` in files written before the
+    record carried ``image_size``)."""
+    size = record.get("image_size")
+    if size is None:
+        config = record.get("config")
+        data = config.get("data") if isinstance(config, Mapping) else None
+        size = data.get("image_size") if isinstance(data, Mapping) else None
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def knn_vote(
+    query: torch.Tensor,
+    bank: torch.Tensor,
+    bank_labels: torch.Tensor,
+    num_classes: int,
+    k: int = KNN_K,
+    t: float = KNN_TEMPERATURE,
+    chunk: int = 1024,
+) -> torch.Tensor:
+    """Class scores (Nq, C) of L2-normalized queries (Nq, D) against a normalized bank (Nb, D):
+
+        score[q, c] = Σ_{j ∈ top-k(q)} [y_j = c] · exp(⟨q, b_j⟩ / t)
+
+    Queries go in chunks so the similarity matrix stays chunk × Nb; runs on the tensors' device."""
+    import torch
+
+    k = min(k, bank.shape[0])
+    out = []
+    with torch.no_grad():
+        for q in query.split(chunk):
+            sim, idx = (q @ bank.T).topk(k, dim=1)
+            votes = torch.zeros(q.shape[0], num_classes, dtype=sim.dtype, device=sim.device)
+            out.append(votes.scatter_add_(1, bank_labels[idx], (sim / t).exp()))
+    return torch.cat(out)
