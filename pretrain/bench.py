@@ -151,7 +151,8 @@ def _pil_pipelines(recipe: str, size: int) -> list:
     common baseline)."""
     from torchvision import transforms as T
 
-    from pretrain.data import IMAGENET_MEAN, IMAGENET_STD, SIGMA, blur_kernel_size
+    from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+    from pretrain.augment import SIGMA, blur_kernel_size
 
     blur = T.GaussianBlur(blur_kernel_size(size), sigma=SIGMA)
     tail = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
@@ -194,7 +195,8 @@ def _pil_pipelines(recipe: str, size: int) -> list:
 def bench_augmentation(recipe: str, root: str, size: int, n_images: int) -> dict:
     from PIL import Image
 
-    from pretrain.data import ImageDataset, build_view_transforms, collate
+    from pretrain.augment import build_view_transforms
+    from pretrain.data import ImageDataset, collate
 
     torch.manual_seed(0)
     ours = ImageDataset(root, build_view_transforms(recipe, size), seed=0)

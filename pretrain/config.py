@@ -142,7 +142,7 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     OmegaConf.resolve(cfg)
     if cfg.train.mixed_precision is False:  # YAML reads a bare `no` as false
         cfg.train.mixed_precision = "no"
-    from pretrain.views import ViewError, resolve
+    from pretrain.augment.views import ViewError, resolve
 
     try:  # the views in full, so that config.yaml and --print-config show what runs
         cfg.data.views = resolve(cfg.data.augmentation, cfg.data.views)

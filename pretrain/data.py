@@ -1,11 +1,11 @@
-"""Pretraining data: augmentation recipes, a robust image dataset, a resumable sharded sampler.
+"""Pretraining data: a robust image dataset, a resumable sharded sampler, the loader.
 
 Reproducibility contract: the augmentation of sample ``index`` in ``epoch`` depends only on
 ``(seed, epoch, index)``, never on the number of workers, the rank, the batch it is fetched in
 or where a run was resumed. The permutation of an epoch depends only on ``(seed, epoch)``.
-Views are declared as data (``pretrain/views.py``, presets in ``configs/augment/``); each is a
-``ViewTransform`` (pretrain/augment.py): geometric ops per sample, colour ops batched over the
-DataLoader's batch with per-sample parameters.
+Views are declared as data (``pretrain/augment/views.py``, presets in ``configs/augment/``); each is a
+``ViewTransform`` (``pretrain/augment/pipeline.py``): geometric ops per sample, colour ops batched
+over the DataLoader's batch with per-sample parameters.
 
 Epochs: call ``set_loader_epoch(loader, epoch, start_batch)`` (or both ``dataset.set_epoch`` and
 ``sampler.set_epoch``) **before** ``iter(loader)``. DataLoader workers hold a copy of the dataset,
@@ -29,17 +29,10 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_a
 from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.augment import ViewTransform
-from pretrain.views import IMAGENET_MEAN, IMAGENET_STD, PRESETS, blur_kernel_size, build_view
-from pretrain.views import resolve as resolve_views
 
 __all__ = [
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "RECIPES",
-    "blur_kernel_size",
-    "build_view_transforms",
-    "build_multicrop_transforms",
     "eval_transform",
     "ImageDataset",
     "collate",
@@ -49,8 +42,6 @@ __all__ = [
     "BadImageTracker",
 ]
 
-RECIPES = PRESETS
-SIGMA = (0.1, 2.0)  # blur σ range of MoCo v2 / SimCLR / BYOL (the presets); not scaled with image size
 # Errors PIL raises for unreadable files (UnidentifiedImageError and truncation are OSErrors).
 _DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
@@ -58,47 +49,6 @@ _DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError
 def _seed(*parts) -> int:
     """A stable 64-bit seed from a tuple (Python's hash() of str is salted per process)."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
-
-
-# ------------------------------------------------------------------------------ augmentations
-
-
-def build_view_transforms(
-    recipe: str, image_size: int, min_crop_scale: float | None = None, views=None
-) -> list[ViewTransform]:
-    """The ViewTransforms of the declared views (``pretrain.views``): the preset ``recipe``'s, or
-    ``views`` (a full list, or edits of the preset). ``min_crop_scale`` replaces the lower bound
-    of every view's crop area (MoCo 0.2, SimCLR and BYOL 0.08); None keeps the declared one."""
-    if min_crop_scale is not None and not 0 < min_crop_scale <= 1:
-        raise ValueError(f"min_crop_scale={min_crop_scale}: expected a fraction of the image area in (0, 1]")
-    return [build_view(view, image_size, min_crop_scale) for view in resolve_views(recipe, views)]
-
-
-def build_multicrop_transforms(
-    image_size: int,
-    sizes: Sequence[int] | None = None,
-    min_scales: Sequence[float] | None = None,
-    max_scales: Sequence[float] | None = None,
-    key_min_scale: float | None = None,
-    view: dict | None = None,
-) -> list[ViewTransform]:
-    """AdCo: crop 0 is the key (``image_size``, the view's crop scale or ``key_min_scale``–1), then
-    one query crop per size with its own scale range, all with the ops of ``view`` (default: the
-    mocov2 preset, aug+).
-
-    ``sizes`` are pixels; the default is AdCo's (224, 192, 160, 128, 96) scaled to ``image_size``.
-    """
-    sizes = sizes or [round(s * image_size / 224) for s in (224, 192, 160, 128, 96)]
-    min_scales = min_scales or (0.2, 0.172, 0.143, 0.114, 0.086)
-    max_scales = max_scales or (1.0, 0.86, 0.715, 0.571, 0.429)
-    if not len(sizes) == len(min_scales) == len(max_scales):
-        raise ValueError(
-            f"multi-crop: sizes {list(sizes)}, min_scales {list(min_scales)} and "
-            f"max_scales {list(max_scales)} must have the same length"
-        )
-    view = view or resolve_views("mocov2", None)[0]
-    queries = [build_view(view, image_size, size=s, scale=(lo, hi)) for s, lo, hi in zip(sizes, min_scales, max_scales)]
-    return [build_view(view, image_size, key_min_scale, size=image_size)] + queries
 
 
 def eval_transform(image_size: int) -> v2.Compose:

@@ -137,6 +137,13 @@ def build_encoder(
     return Encoder(backbone, build_head(head, feat_dim, hidden_dim or feat_dim, dim, out_bn))
 
 
+def embed(encoder: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """normalize(encoder(x)) in at least fp32: under autocast the head's output may be fp16/bf16,
+    and the similarities of normalized embeddings need fp32 (fp64 models stay fp64, for tests)."""
+    z = encoder(x)
+    return F.normalize(z.to(torch.promote_types(z.dtype, torch.float32)), dim=1)
+
+
 def momentum_copy(encoder: nn.Module) -> nn.Module:
     """A frozen deep copy (a real copy: aliases would be de-duplicated by safetensors)."""
     target = copy.deepcopy(encoder)

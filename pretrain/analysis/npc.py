@@ -44,7 +44,8 @@ from pretrain.analysis.common import (
     write_csv,
     write_json,
 )
-from pretrain.data import ImageDataset, build_view_transforms, collate
+from pretrain.augment import build_view_transforms
+from pretrain.data import ImageDataset, collate
 from pretrain.losses import nt_xent_similarities
 
 DEFAULT_BATCH_SIZES = (32, 64, 128, 256, 512, 1024)

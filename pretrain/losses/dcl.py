@@ -32,11 +32,10 @@ Inputs are cosines; logits are computed in (at least) fp32 with autocast off, li
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pretrain import dist
 
-from .infonce import _fp32, _no_autocast, reduce_loss
+from .infonce import ContrastiveLoss, _fp32, _no_autocast, positive_number, reduce_loss
 
 __all__ = ["decoupled_nce", "dclw_weights", "DCLLoss"]
 
@@ -83,11 +82,15 @@ def decoupled_nce(
     return reduce_loss(loss, reduction)
 
 
-class DCLLoss(nn.Module):
+class DCLLoss(ContrastiveLoss):
     """DCL (``weight_sigma=None``) or DCLW (weights with σ = ``weight_sigma``) on (pos (N,), neg (N, K)).
 
     DCLW's weights are over the global batch unless ``per_process_weights`` (see :func:`dclw_weights`).
     """
+
+    @classmethod
+    def from_config(cls, m) -> DCLLoss:
+        return cls(float(m.temperature))
 
     def __init__(
         self,
@@ -115,3 +118,30 @@ class DCLLoss(nn.Module):
             f"temperature={self.temperature}, weight_sigma={self.weight_sigma}, "
             f"detach_weights={self.detach_weights}, per_process_weights={self.per_process_weights}"
         )
+
+
+class DCLWLoss(DCLLoss):
+    """DCLW: DCL with the positive weighted by w = 2 − N·softmax(⟨z1,z2⟩/σ) (see :func:`dclw_weights`)."""
+
+    config_keys = {
+        "dclw_sigma": 0.5,  # σ of the weights
+        "dclw_detach": True,  # weights from detached similarities (lightly); False: they carry gradient
+        "dclw_per_process": False,  # softmax over each process's anchors (lightly's form); default: global batch
+    }
+
+    @classmethod
+    def check(cls, m) -> None:
+        positive_number(m, "dclw_sigma")
+
+    @classmethod
+    def from_config(cls, m) -> DCLWLoss:
+        return cls(float(m.temperature), m.dclw_sigma, bool(m.dclw_detach), bool(m.dclw_per_process))
+
+    def __init__(
+        self,
+        temperature: float,
+        weight_sigma: float = 0.5,
+        detach_weights: bool = True,
+        per_process_weights: bool = False,
+    ) -> None:
+        super().__init__(temperature, weight_sigma, detach_weights, per_process_weights)

@@ -20,9 +20,8 @@ reaches the gradient is unaffected wherever 1 − p_α is representable.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from .infonce import _fp32, _no_autocast, reduce_loss
+from .infonce import ContrastiveLoss, _fp32, _no_autocast, positive_number, reduce_loss
 
 __all__ = ["dual_temperature_weights", "dual_temperature_nce", "DualTemperatureLoss"]
 
@@ -58,8 +57,18 @@ def dual_temperature_nce(
     return reduce_loss(loss, reduction)
 
 
-class DualTemperatureLoss(nn.Module):
+class DualTemperatureLoss(ContrastiveLoss):
     """Dual-temperature InfoNCE on (pos (N,), neg (N, K)) cosines; τ_α = temperature, τ_β = inter_temperature."""
+
+    config_keys = {"inter_temperature": 1.0}  # τ_β
+
+    @classmethod
+    def check(cls, m) -> None:
+        positive_number(m, "inter_temperature")
+
+    @classmethod
+    def from_config(cls, m) -> DualTemperatureLoss:
+        return cls(float(m.temperature), float(m.inter_temperature))
 
     def __init__(self, temperature: float, inter_temperature: float) -> None:
         super().__init__()

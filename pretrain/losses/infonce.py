@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,10 @@ __all__ = [
     "sample_negatives",
     "in_batch_similarities",
     "nt_xent_similarities",
+    "ContrastiveLoss",
     "InfoNCELoss",
     "SAMPLING_MODES",
+    "positive_number",
 ]
 
 SAMPLING_MODES = ("per_query", "per_batch")
@@ -200,7 +203,49 @@ def nt_xent_similarities(
     return torch.cat([pos_a, pos_b]), neg
 
 
-class InfoNCELoss(nn.Module):
+def positive_number(m, key: str) -> None:
+    """ConfigError naming ``method.<key>`` unless it is a positive number."""
+    from pretrain.config import ConfigError  # late: the config module imports the methods
+
+    value = m[key]
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+        raise ConfigError(f"method.{key}={value}: expected a positive number")
+
+
+class ContrastiveLoss(nn.Module):
+    """A loss on (N,) positive and (N, K) negative cosines that a host method selects with
+    ``method.loss``. The loss owns its options: ``config_keys`` (read under ``method:``, with their
+    defaults), ``check`` (one-line errors for impossible values) and ``from_config``; the host only
+    supplies the similarities and the shared ``temperature``."""
+
+    config_keys: ClassVar[dict[str, Any]] = {}
+    temperature: float
+
+    @classmethod
+    def check(cls, m) -> None:
+        """Raise ConfigError naming the key for impossible values of ``config_keys``."""
+
+    @classmethod
+    def from_config(cls, m) -> ContrastiveLoss:
+        raise NotImplementedError
+
+    def margin(self, k: int) -> float:
+        """What is subtracted from the positive cosine at k negatives per query (EqCo); 0 here."""
+        return 0.0
+
+    def equivalent_negatives(self, k: int) -> float:
+        """The negative count n of the MI bound log(1 + n) − L at k negatives per query."""
+        return k
+
+    def with_infonce(self, pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this loss, InfoNCE at the same similarities without gradient): the diagnostics always
+        describe InfoNCE, so that every loss compares with its InfoNCE host."""
+        loss = self(pos, neg)
+        with torch.no_grad():
+            return loss, info_nce(pos, neg, self.temperature, self.margin(neg.shape[1]))
+
+
+class InfoNCELoss(ContrastiveLoss):
     """InfoNCE / EqCo loss on precomputed similarities: forward(pos (N,), neg (N, K)) -> loss.
 
     Args:
@@ -211,6 +256,17 @@ class InfoNCELoss(nn.Module):
         sampling: "per_query" | "per_batch" (see :func:`sample_negatives`).
         reduction: "mean" | "sum" | "none".
     """
+
+    config_keys = {"eqco_alpha": None}  # EqCo: margin τ·log(α/K) on the positive; None = plain InfoNCE
+
+    @classmethod
+    def check(cls, m) -> None:
+        if m.eqco_alpha is not None:
+            positive_number(m, "eqco_alpha")
+
+    @classmethod
+    def from_config(cls, m) -> InfoNCELoss:
+        return cls(float(m.temperature), alpha=m.eqco_alpha)
 
     def __init__(
         self,
@@ -231,11 +287,20 @@ class InfoNCELoss(nn.Module):
         self.sampling = sampling
         self.reduction = reduction
 
+    def margin(self, k: int) -> float:
+        return 0.0 if self.alpha is None else eqco_margin(self.temperature, self.alpha, k)
+
+    def equivalent_negatives(self, k: int) -> float:
+        return k if self.alpha is None else self.alpha
+
     def forward(self, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
         if self.num_negatives is not None:
             neg = sample_negatives(neg, self.num_negatives, self.sampling)
-        margin = 0.0 if self.alpha is None else eqco_margin(self.temperature, self.alpha, neg.shape[1])
-        return info_nce(pos, neg, self.temperature, margin, self.reduction)
+        return info_nce(pos, neg, self.temperature, self.margin(neg.shape[1]), self.reduction)
+
+    def with_infonce(self, pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = self(pos, neg)
+        return loss, loss
 
     def mi_lower_bound(self, loss: float | torch.Tensor, k: int | None = None) -> float | torch.Tensor:
         """log(1 + α) − loss with EqCo, else log(1 + k) − loss (k = negatives per query)."""

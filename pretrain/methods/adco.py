@@ -28,24 +28,17 @@ takes the key from the last, smallest crop).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from pretrain import dist
+from pretrain.augment import build_multicrop_transforms
 from pretrain.config import ConfigError
-from pretrain.data import build_multicrop_transforms
 from pretrain.diagnostics import contrastive_stats
 from pretrain.losses import AdversarialBank, adversary_gradient, in_batch_similarities, info_nce, similarities
-from pretrain.methods.base import Method, QueryKeyEncoders
-from pretrain.models import build_encoder, momentum_copy, momentum_update
+from pretrain.methods.base import Method, QueryKeyEncoders, check_bn_splits
+from pretrain.models import build_encoder, embed, momentum_copy, momentum_update
 
 BANK_INITS = ("fill", "random")
-
-
-def _embed(encoder, x: torch.Tensor) -> torch.Tensor:
-    """normalize(encoder(x)) in at least fp32 (the bank is fp32; fp64 models stay fp64)."""
-    z = encoder(x)
-    return F.normalize(z.to(torch.promote_types(z.dtype, torch.float32)), dim=1)
 
 
 class AdCo(QueryKeyEncoders, Method):
@@ -90,12 +83,7 @@ class AdCo(QueryKeyEncoders, Method):
                 f"query_crop_max_scales have {len(m.query_crop_min_scales)}/"
                 f"{len(m.query_crop_max_scales)}: expected one scale range per crop"
             )
-        per_process = cfg.train.batch_size // num_processes
-        if num_processes == 1 and (m.bn_splits < 1 or per_process % m.bn_splits):
-            raise ConfigError(
-                f"method.bn_splits={m.bn_splits}: expected a divisor of the per-process batch "
-                f"{per_process} (1 disables the single-process shuffle-BN emulation)"
-            )
+        check_bn_splits(cfg, num_processes)
 
     @classmethod
     def view_transforms(cls, cfg):
@@ -114,7 +102,7 @@ class AdCo(QueryKeyEncoders, Method):
         )
 
     def __init__(self, cfg, num_processes: int) -> None:
-        super().__init__()
+        super().__init__(cfg, num_processes)
         m = cfg.method
         self.temperature = float(m.temperature)
         self.momentum = float(m.momentum)
@@ -151,14 +139,14 @@ class AdCo(QueryKeyEncoders, Method):
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         """Gathered keys (B×d) of the key encoder with shuffle BN."""
         x, idx_unshuffle = dist.shuffle_batch(x)
-        k = _embed(self.encoder_k, x)
+        k = embed(self.encoder_k, x)
         return dist.gather_no_grad(dist.unshuffle_batch(k, idx_unshuffle))
 
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         momentum_update(self.encoder_q, self.encoder_k, self.momentum)
         pairs = self.view_pairs()[: 1 if self.filling else None]
         keys = {j: self.keys(views[j]) for j in dict.fromkeys(j for _, j, _ in pairs)}
-        encoded = [(_embed(self.encoder_q, views[i]), keys[j], w) for i, j, w in pairs]
+        encoded = [(embed(self.encoder_q, views[i]), keys[j], w) for i, j, w in pairs]
         self.watch(encoded[0][0])
         offset = dist.rank_offset(views[0].shape[0])
         loss, logs = self.fill_loss(*encoded[0][:2], offset) if self.filling else self.adversarial_loss(encoded, offset)

@@ -3,6 +3,7 @@
 A method is an ``nn.Module`` that owns all of its state (encoders, momentum encoders, queues and
 pointers as buffers), so one ``state_dict`` resumes it. The engine only relies on:
 
+* ``__init__(cfg, num_processes)``: every method is built from the whole config and the process count;
 * ``defaults``: the method's config keys (under ``method:``) with their default values;
 * ``check(cfg, num_processes)``: raise ``ConfigError`` for impossible settings, before anything runs;
 * ``sync_bn``: convert BN to SyncBN when several processes run (SimCLR, SiMo); MoCo-style methods
@@ -25,17 +26,17 @@ import torch
 from torch import nn
 
 from pretrain import dist
+from pretrain.augment import build_view_transforms
 from pretrain.config import ConfigError
-from pretrain.data import build_view_transforms
 from pretrain.diagnostics import contrastive_stats
-from pretrain.losses import SAMPLING_MODES, DCLLoss, DualTemperatureLoss, eqco_margin, info_nce, sample_negatives
+from pretrain.losses import LOSS_CONFIG_KEYS, LOSSES, SAMPLING_MODES, sample_negatives
 
 
 class Method(nn.Module):
     defaults: ClassVar[dict[str, Any]] = {}
     sync_bn: ClassVar[bool] = False
 
-    def __init__(self) -> None:
+    def __init__(self, cfg, num_processes: int) -> None:
         super().__init__()
         self.watch_grad = False
         self.watched: torch.Tensor | None = None
@@ -81,30 +82,30 @@ class QueryKeyEncoders:
         return self.encoder_k.backbone
 
 
-# Keys shared by every InfoNCE host; EqCo is `eqco_alpha` (+ `num_negatives` to contrast fewer).
-# `loss` swaps the objective on the same (positive, negatives) similarities: DCL/DCLW remove the
-# positive from the denominator, dual_temperature reweights each anchor (τ_α = temperature).
+def check_bn_splits(cfg, num_processes: int) -> None:
+    """``method.bn_splits`` (shuffle-BN emulation in one process) must divide the per-process batch."""
+    m, per_process = cfg.method, cfg.train.batch_size // num_processes
+    if num_processes == 1 and (m.bn_splits < 1 or per_process % m.bn_splits):
+        raise ConfigError(
+            f"method.bn_splits={m.bn_splits}: expected a divisor of the per-process batch "
+            f"{per_process} (1 disables the single-process shuffle-BN emulation)"
+        )
+
+
+# Keys of every InfoNCE host. `loss` picks the objective on the same (positive, negatives)
+# similarities (pretrain.losses.LOSSES); each loss brings its own keys (EqCo's `eqco_alpha`, DCLW's
+# `dclw_*`, dual temperature's `inter_temperature`). Sampling fewer negatives applies to any loss.
 INFONCE_DEFAULTS: dict[str, Any] = {
     "loss": "infonce",  # infonce | dcl | dclw | dual_temperature
     "temperature": 0.2,
-    "eqco_alpha": None,  # EqCo: margin τ·log(α/K) on the positive; None = plain InfoNCE
     "num_negatives": None,  # K negatives drawn per query without replacement; None = all available
     "negative_sampling": "per_query",  # per_query | per_batch
-    "dclw_sigma": 0.5,  # DCLW: w = 2 − N·softmax(⟨z1,z2⟩/σ) over the batch
-    "dclw_detach": True,  # DCLW weights from detached similarities (lightly); False: they carry gradient
-    "dclw_per_process": False,  # DCLW softmax over each process's anchors (lightly's form); default: global batch
-    "inter_temperature": 1.0,  # dual_temperature: τ_β
+    **LOSS_CONFIG_KEYS,
 }
 
-# method.loss -> the criterion on (pos, neg) cosines; None is InfoNCE with EqCo's margin.
-LOSSES: dict[str, Callable[[Any], nn.Module | None]] = {
-    "infonce": lambda m: None,
-    "dcl": lambda m: DCLLoss(m.temperature),
-    "dclw": lambda m: DCLLoss(
-        m.temperature, weight_sigma=m.dclw_sigma, detach_weights=m.dclw_detach, per_process_weights=m.dclw_per_process
-    ),
-    "dual_temperature": lambda m: DualTemperatureLoss(m.temperature, m.inter_temperature),
-}
+
+def _yaml(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 class InfoNCEHost(Method):
@@ -122,20 +123,19 @@ class InfoNCEHost(Method):
             raise ConfigError(f"method.temperature={m.temperature}: expected a positive number")
         if m.loss not in LOSSES:
             raise ConfigError(f"method.loss={m.loss!r}: expected one of {list(LOSSES)}")
-        if m.eqco_alpha is not None and m.loss != "infonce":
-            raise ConfigError(
-                f"method.eqco_alpha={m.eqco_alpha}: EqCo's margin applies to method.loss=infonce only "
-                f"(got {m.loss!r}); set method.eqco_alpha=null"
-            )
-        for key in ("dclw_sigma", "inter_temperature"):
-            if not (isinstance(m[key], (int, float)) and m[key] > 0):
-                raise ConfigError(f"method.{key}={m[key]}: expected a positive number")
+        chosen = LOSSES[m.loss]
+        for name, loss in LOSSES.items():  # another loss's option set here would be silently ignored
+            for key, default in loss.config_keys.items():
+                if key not in chosen.config_keys and m[key] != default:
+                    raise ConfigError(
+                        f"method.{key}={_yaml(m[key])}: applies to method.loss={name} only (got {m.loss!r}); "
+                        f"set method.{key}={_yaml(default)}"
+                    )
+        chosen.check(m)
         if m.negative_sampling not in SAMPLING_MODES:
             raise ConfigError(
                 f"method.negative_sampling={m.negative_sampling!r}: expected one of {list(SAMPLING_MODES)}"
             )
-        if m.eqco_alpha is not None and m.eqco_alpha <= 0:
-            raise ConfigError(f"method.eqco_alpha={m.eqco_alpha}: expected a positive number or null")
         available = cls.available_negatives(cfg, num_processes)
         if m.num_negatives is not None and not 0 < m.num_negatives <= available:
             raise ConfigError(
@@ -143,20 +143,20 @@ class InfoNCEHost(Method):
                 f"(negatives available per query with train.batch_size={cfg.train.batch_size}) or null"
             )
 
-    def __init__(self, method_cfg) -> None:
-        super().__init__()
-        self.temperature = float(method_cfg.temperature)
-        self.eqco_alpha = method_cfg.eqco_alpha
-        self.num_negatives = method_cfg.num_negatives
-        self.negative_sampling = method_cfg.negative_sampling
-        self.criterion = LOSSES[method_cfg.loss](method_cfg)
+    def __init__(self, cfg, num_processes: int) -> None:
+        super().__init__(cfg, num_processes)
+        m = cfg.method
+        self.temperature = float(m.temperature)
+        self.num_negatives = m.num_negatives
+        self.negative_sampling = m.negative_sampling
+        self.criterion = LOSSES[m.loss].from_config(m)
 
     def contrast(self, pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The configured loss of (N,) positive and (N, K) negative cosines; returns (loss, diagnostics).
 
-        InfoNCE takes EqCo's margin m = τ·log(α/K) from the K negatives actually contrasted per
-        query. The diagnostics always describe InfoNCE at these similarities (MI bound, NPC
-        multiplier), so that DCL/dual-temperature runs compare with their InfoNCE hosts.
+        The K negatives are those actually contrasted per query (after sampling); EqCo's margin
+        τ·log(α/K) uses them. The diagnostics always describe InfoNCE at these similarities (MI
+        bound, NPC multiplier), so that DCL/dual-temperature runs compare with their InfoNCE hosts.
         """
         if self.num_negatives is not None:
             n = neg.shape[0]
@@ -168,14 +168,10 @@ class InfoNCEHost(Method):
                 total_rows=n * dist.world_size(),
             )
         k = neg.shape[1]
-        margin = 0.0 if self.eqco_alpha is None else eqco_margin(self.temperature, self.eqco_alpha, k)
-        if self.criterion is None:
-            loss = nce = info_nce(pos, neg, self.temperature, margin)
-        else:
-            loss = self.criterion(pos, neg)
-            with torch.no_grad():
-                nce = info_nce(pos, neg, self.temperature)
-        stats = contrastive_stats(pos, neg, self.temperature, margin, nce, self.eqco_alpha or k)
-        if self.criterion is not None:
+        loss, nce = self.criterion.with_infonce(pos, neg)
+        stats = contrastive_stats(
+            pos, neg, self.temperature, self.criterion.margin(k), nce, self.criterion.equivalent_negatives(k)
+        )
+        if nce is not loss:
             stats["infonce"] = nce
         return loss, stats

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from pretrain import dist
 from pretrain.config import ConfigError
 from pretrain.losses import similarities
-from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost, QueryKeyEncoders
-from pretrain.models import build_encoder, momentum_copy, momentum_update
+from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost, QueryKeyEncoders, check_bn_splits
+from pretrain.models import build_encoder, embed, momentum_copy, momentum_update
 
 
 class MoCo(QueryKeyEncoders, InfoNCEHost):
@@ -56,15 +56,10 @@ class MoCo(QueryKeyEncoders, InfoNCEHost):
                 f"step (train.batch_size={cfg.train.batch_size}{' x2, symmetric' if m.symmetric else ''}), "
                 f"e.g. {max(1, round(m.queue_size / keys)) * keys}"
             )
-        per_process = cfg.train.batch_size // num_processes
-        if num_processes == 1 and (m.bn_splits < 1 or per_process % m.bn_splits):
-            raise ConfigError(
-                f"method.bn_splits={m.bn_splits}: expected a divisor of the per-process batch "
-                f"{per_process} (1 disables the single-process shuffle-BN emulation)"
-            )
+        check_bn_splits(cfg, num_processes)
 
     def __init__(self, cfg, num_processes: int) -> None:
-        super().__init__(cfg.method)
+        super().__init__(cfg, num_processes)
         m = cfg.method
         self.momentum = float(m.momentum)
         self.symmetric = bool(m.symmetric)
@@ -81,7 +76,7 @@ class MoCo(QueryKeyEncoders, InfoNCEHost):
     @torch.no_grad()
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         x, idx_unshuffle = dist.shuffle_batch(x)
-        k = F.normalize(self.encoder_k(x).float(), dim=1)
+        k = embed(self.encoder_k, x)
         return dist.unshuffle_batch(k, idx_unshuffle)
 
     def contrast_with_queue(self, q: torch.Tensor, k: torch.Tensor):
@@ -100,13 +95,13 @@ class MoCo(QueryKeyEncoders, InfoNCEHost):
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         x1, x2 = views[0], views[1]
         momentum_update(self.encoder_q, self.encoder_k, self.momentum)
-        q1 = F.normalize(self.encoder_q(x1).float(), dim=1)
+        q1 = embed(self.encoder_q, x1)
         k2 = self.keys(x2)
         loss, logs = self.contrast_with_queue(q1, k2)
         self.watch(q1)
         new_keys = k2
         if self.symmetric:
-            q2 = F.normalize(self.encoder_q(x2).float(), dim=1)
+            q2 = embed(self.encoder_q, x2)
             k1 = self.keys(x1)
             loss = loss + self.contrast_with_queue(q2, k1)[0]  # a sum, as in the Colab
             new_keys = torch.cat([k2, k1])

@@ -15,13 +15,12 @@ Head: Linear→BN→ReLU→Linear→BN without shift (``mlp_bn``); SyncBN with s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pretrain import dist
 from pretrain.config import ConfigError
 from pretrain.losses import nt_xent_similarities
 from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost
-from pretrain.models import build_encoder
+from pretrain.models import build_encoder, embed
 
 REDUCTIONS = ("mean", "sum_views")
 
@@ -50,7 +49,7 @@ class SimCLR(InfoNCEHost):
             )
 
     def __init__(self, cfg, num_processes: int) -> None:
-        super().__init__(cfg.method)
+        super().__init__(cfg, num_processes)
         m = cfg.method
         self.reduction_scale = 2.0 if m.loss_reduction == "sum_views" else 1.0
         self.encoder = build_encoder(cfg.model.arch, cfg.model.stem, m.head, m.dim, m.hidden_dim)
@@ -61,7 +60,7 @@ class SimCLR(InfoNCEHost):
 
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         x1, x2 = views[0], views[1]
-        z = F.normalize(self.encoder(torch.cat([x1, x2])).float(), dim=1)
+        z = embed(self.encoder, torch.cat([x1, x2]))
         self.watch(z)
         z1, z2 = z.chunk(2)
         pos, neg = nt_xent_similarities(

@@ -24,13 +24,12 @@ is the same sequence of key encoders.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pretrain import dist
 from pretrain.losses import in_batch_similarities
 from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost
 from pretrain.methods.simo import SiMo
-from pretrain.models import build_encoder
+from pretrain.models import build_encoder, embed
 
 DUAL_TEMPERATURE = {"loss": "dual_temperature", "temperature": 0.1, "inter_temperature": 1.0, "eqco_alpha": None}
 
@@ -54,7 +53,7 @@ class SimCo(InfoNCEHost):
         return cfg.train.batch_size - 1
 
     def __init__(self, cfg, num_processes: int) -> None:
-        super().__init__(cfg.method)
+        super().__init__(cfg, num_processes)
         m = cfg.method
         self.encoder = build_encoder(cfg.model.arch, cfg.model.stem, m.head, m.dim, m.hidden_dim)
 
@@ -64,7 +63,7 @@ class SimCo(InfoNCEHost):
 
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         # One forward per view (BN statistics per view), as solo-learn does.
-        z1, z2 = (F.normalize(self.encoder(x).float(), dim=1) for x in views[:2])
+        z1, z2 = (embed(self.encoder, x) for x in views[:2])
         self.watch(z1)
         offset = dist.rank_offset(z1.shape[0])
         loss_12, logs = self.contrast(*in_batch_similarities(z1, dist.gather_with_grad(z2), offset))

@@ -16,12 +16,11 @@ the output FC, which the paper leaves uncertain).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pretrain import dist
 from pretrain.losses import in_batch_similarities
 from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost, QueryKeyEncoders
-from pretrain.models import build_encoder, momentum_copy, momentum_update
+from pretrain.models import build_encoder, embed, momentum_copy, momentum_update
 
 
 class SiMo(QueryKeyEncoders, InfoNCEHost):
@@ -42,7 +41,7 @@ class SiMo(QueryKeyEncoders, InfoNCEHost):
         return cfg.train.batch_size - 1
 
     def __init__(self, cfg, num_processes: int) -> None:
-        super().__init__(cfg.method)
+        super().__init__(cfg, num_processes)
         m = cfg.method
         self.momentum = float(m.momentum)
         self.symmetric = bool(m.symmetric)
@@ -52,9 +51,9 @@ class SiMo(QueryKeyEncoders, InfoNCEHost):
         self.encoder_k = momentum_copy(self.encoder_q)
 
     def contrast_in_batch(self, x_q: torch.Tensor, x_k: torch.Tensor):
-        q = F.normalize(self.encoder_q(x_q).float(), dim=1)
+        q = embed(self.encoder_q, x_q)
         with torch.no_grad():
-            keys = dist.gather_no_grad(F.normalize(self.encoder_k(x_k).float(), dim=1))
+            keys = dist.gather_no_grad(embed(self.encoder_k, x_k))
         loss, logs = self.contrast(*in_batch_similarities(q, keys, dist.rank_offset(q.shape[0])))
         return q, loss, logs
 

@@ -25,8 +25,9 @@ from pretrain.analysis.mi_toy import (
     gaussian_mi,
     sample_pairs,
 )
+from pretrain.augment import build_view_transforms
 from pretrain.config import load_config
-from pretrain.data import ImageDataset, build_view_transforms
+from pretrain.data import ImageDataset
 from pretrain.engine import train
 from pretrain.methods import METHODS
 

@@ -14,7 +14,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from pretrain import augment as A
-from pretrain.data import ImageDataset, blur_kernel_size, build_loader, build_view_transforms, set_loader_epoch
+from pretrain.augment import blur_kernel_size, build_view_transforms
+from pretrain.data import ImageDataset, build_loader, set_loader_epoch
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Float32 ops done in another order than torchvision (separable vs 2-D blur kernel, closed-form
@@ -90,7 +91,7 @@ def test_grayscale_and_solarize_stages_apply_torchvision_to_the_chosen_samples()
     assert (ref != u8).any() and (ref == u8).any()  # some pixels above, some below the threshold
 
 
-@pytest.mark.parametrize("path", ["apply", "apply_per_op"])  # CPU kernel (pretrain/jitter_cpu.py), torch ops
+@pytest.mark.parametrize("path", ["apply", "apply_per_op"])  # CPU kernel (pretrain/augment/jitter_cpu.py), torch ops
 def test_color_jitter_stage_applies_the_four_ops_in_each_samples_order(path):
     x = images(b=8)
     stage = A.ColorJitterStage(v2.ColorJitter(0.8, 0.8, 0.8, 0.2), p=0.8)

@@ -1,4 +1,4 @@
-"""Augmentation as data (pretrain/views.py, configs/augment/): the four presets give bit for bit the
+"""Augmentation as data (pretrain/augment/views.py, configs/augment/): the four presets give bit for bit the
 views of the hand-written pipelines they replace (tests/pretrain/view_reference.py) for several
 seeds, epochs, indices, both views and AdCo's multi-crop; a custom pipeline (rotation + affine, no
 flip, grayscale input) trains end to end and does what it says; bad declarations are one line."""
@@ -14,8 +14,9 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
+from pretrain.augment import build_multicrop_transforms, build_view_transforms
 from pretrain.config import ConfigError, load_config
-from pretrain.data import ImageDataset, build_multicrop_transforms, build_view_transforms
+from pretrain.data import ImageDataset
 from pretrain.engine import train
 from pretrain.methods import METHODS
 

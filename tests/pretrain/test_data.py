@@ -9,14 +9,12 @@ from PIL import Image
 from torchvision import transforms as T1  # v1 transforms: an independent reference pipeline
 from torchvision.transforms import v2
 
-from pretrain import data
+from pretrain.augment import build_multicrop_transforms, build_view_transforms
 from pretrain.data import (
     BadImageTracker,
     ImageDataset,
     ShardedSampler,
     build_loader,
-    build_multicrop_transforms,
-    build_view_transforms,
     collate,
     eval_transform,
     set_loader_epoch,
@@ -375,5 +373,11 @@ def test_sampler_resume_skips_exactly_the_consumed_batches():
         ShardedSampler(50, 2, 2, seed=0, batch_size=3)
 
 
-def test_module_exports():
-    assert set(data.RECIPES) == {"mocov1", "mocov2", "simclr", "byol"}
+def test_every_preset_file_is_a_named_preset_and_builds():
+    """The presets the config accepts are the files of configs/augment/, and each builds its views
+    (a preset file added without its name, or a name without its file, fails here)."""
+    from pretrain.augment.views import PRESET_DIR, PRESETS
+
+    assert set(PRESETS) == {p.stem for p in PRESET_DIR.glob("*.yaml")}
+    for name in PRESETS:
+        assert len(build_view_transforms(name, 32)) == 2

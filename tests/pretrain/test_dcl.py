@@ -135,7 +135,7 @@ def test_dcl_gradient_has_no_npc_multiplier():
 def test_dclw_weights_are_global_unless_the_per_process_flag_asks():
     """One process: both forms are the softmax over the same anchors. The 2-process equality with
     one process (and the per-process control) is in test_dist.py and test_multiprocess.py."""
-    from pretrain.methods.base import LOSSES
+    from pretrain.losses import LOSSES
 
     pos = _unit(6, 4, 13) @ _unit(1, 4, 14).T
     torch.testing.assert_close(
@@ -143,6 +143,6 @@ def test_dclw_weights_are_global_unless_the_per_process_flag_asks():
     )
     flags = {}
     for overrides in ([], ["method.dclw_per_process=true"]):
-        criterion = LOSSES["dclw"](load_config(RECIPES / "tiny_dclw.yaml", overrides).method)
+        criterion = LOSSES["dclw"].from_config(load_config(RECIPES / "tiny_dclw.yaml", overrides).method)
         flags[tuple(overrides)] = criterion.per_process_weights
     assert flags == {(): False, ("method.dclw_per_process=true",): True}

@@ -79,7 +79,7 @@ def _tiny_method_overrides(recipe: str) -> list[str]:
         (
             "dcl",
             ["method.eqco_alpha=4096"],
-            "method.eqco_alpha=4096: EqCo's margin applies to method.loss=infonce only",
+            "method.eqco_alpha=4096: applies to method.loss=infonce only (got 'dcl'); set method.eqco_alpha=null",
         ),
         ("dclw", ["method.dclw_sigma=0"], "method.dclw_sigma=0: expected a positive number"),
         ("simco", ["method.momentum=0.99"], "unknown key 'method.momentum' (method simco)"),

@@ -236,7 +236,8 @@ def test_engine_runs_channels_last_on_cpu(synthetic_root, tmp_path, capsys):
 def test_colour_stage_on_the_device_equals_the_workers(synthetic_root):
     """Workers that send uint8 crops + draws, finished by the consumer, give the workers' views
     bit for bit (the device path runs here on CPU tensors)."""
-    from pretrain.data import ImageDataset, build_multicrop_transforms, build_view_transforms, collate, finish_views
+    from pretrain.augment import build_multicrop_transforms, build_view_transforms
+    from pretrain.data import ImageDataset, collate, finish_views
 
     root = synthetic_root / "imagenet" / "train"
     for views in (

@@ -25,7 +25,7 @@ def blur_kernel_size(side: int) -> int:
 
 def _view(*ops) -> ViewTransform:
     # Geometric ops run per sample on the uint8 image the dataset decoded once; the colour ops run
-    # batched on float in ImageDataset.__getitems__; normalization comes last (pretrain/augment.py).
+    # batched on float in ImageDataset.__getitems__; normalization comes last (pretrain/augment/pipeline.py).
     return ViewTransform(ops, IMAGENET_MEAN, IMAGENET_STD)
 
 

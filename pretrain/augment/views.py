@@ -10,7 +10,7 @@ every view, ``data.views.all.hflip=null`` removes an op, ``data.views.all.rotati
 adds one (after the others of its group, see below). A preset with one view uses it for both views,
 with independent draws; BYOL declares two.
 
-Execution (``pretrain/augment.py``): the geometric ops (crop, flips, rotation, affine, perspective,
+Execution (``pretrain/augment/pipeline.py``): the geometric ops (crop, flips, rotation, affine, perspective,
 equalize) run per image on uint8 in their declared order; then the colour ops (jitter, grayscale,
 blur, solarize) run batched with per-image draws, in their declared order, then normalisation.
 An op with p = 0 still takes its random draws (so the other ops draw as before); ``null`` removes it.
@@ -22,15 +22,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchvision.transforms import v2
 
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 
+if TYPE_CHECKING:
+    from pretrain.augment.pipeline import ViewTransform
+
 PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "augment"
 PRESETS = ("mocov1", "mocov2", "simclr", "byol")
+SIGMA = (0.1, 2.0)  # blur σ range of MoCo v2 / SimCLR / BYOL (the presets); not scaled with image size
 ALIASES = {"aug+": "mocov2", "aug_plus": "mocov2", "moco_v1": "mocov1", "moco_v2": "mocov2"}
 INTERPOLATIONS = {
     "bilinear": v2.InterpolationMode.BILINEAR,
@@ -209,7 +213,7 @@ def build_view(
     """A ViewTransform of one declared view (geometric ops first, colour ops after, each group in
     declared order). ``size``/``scale`` replace the crop's (multi-crop); ``min_crop_scale`` replaces
     the lower bound of its scale."""
-    from pretrain.augment import ViewTransform
+    from pretrain.augment.pipeline import ViewTransform
 
     ops = []
     crop_size = size or (view.get("crop") or {}).get("size") or image_size
@@ -225,3 +229,41 @@ def build_view(
 
 def to_yaml(views: list[dict]) -> str:
     return OmegaConf.to_yaml(OmegaConf.create({"views": views}))
+
+
+def build_view_transforms(
+    recipe: str, image_size: int, min_crop_scale: float | None = None, views=None
+) -> list[ViewTransform]:
+    """The ViewTransforms of the declared views (above): the preset ``recipe``'s, or
+    ``views`` (a full list, or edits of the preset). ``min_crop_scale`` replaces the lower bound
+    of every view's crop area (MoCo 0.2, SimCLR and BYOL 0.08); None keeps the declared one."""
+    if min_crop_scale is not None and not 0 < min_crop_scale <= 1:
+        raise ValueError(f"min_crop_scale={min_crop_scale}: expected a fraction of the image area in (0, 1]")
+    return [build_view(view, image_size, min_crop_scale) for view in resolve(recipe, views)]
+
+
+def build_multicrop_transforms(
+    image_size: int,
+    sizes: Sequence[int] | None = None,
+    min_scales: Sequence[float] | None = None,
+    max_scales: Sequence[float] | None = None,
+    key_min_scale: float | None = None,
+    view: dict | None = None,
+) -> list[ViewTransform]:
+    """AdCo: crop 0 is the key (``image_size``, the view's crop scale or ``key_min_scale``–1), then
+    one query crop per size with its own scale range, all with the ops of ``view`` (default: the
+    mocov2 preset, aug+).
+
+    ``sizes`` are pixels; the default is AdCo's (224, 192, 160, 128, 96) scaled to ``image_size``.
+    """
+    sizes = sizes or [round(s * image_size / 224) for s in (224, 192, 160, 128, 96)]
+    min_scales = min_scales or (0.2, 0.172, 0.143, 0.114, 0.086)
+    max_scales = max_scales or (1.0, 0.86, 0.715, 0.571, 0.429)
+    if not len(sizes) == len(min_scales) == len(max_scales):
+        raise ValueError(
+            f"multi-crop: sizes {list(sizes)}, min_scales {list(min_scales)} and "
+            f"max_scales {list(max_scales)} must have the same length"
+        )
+    view = view or resolve("mocov2", None)[0]
+    queries = [build_view(view, image_size, size=s, scale=(lo, hi)) for s, lo, hi in zip(sizes, min_scales, max_scales)]
+    return [build_view(view, image_size, key_min_scale, size=image_size)] + queries

@@ -1,7 +1,7 @@
 """ColorJitter on a CPU batch, fused per image (numba): what ``ColorJitterStage`` runs on CPU.
 
 Why hand-written: torchvision's ops take one parameter set per call, and our batched torch
-versions (``pretrain.augment.adjust_*``) run each op as 5–45 elementwise passes over the whole
+versions (``pretrain.augment.pipeline.adjust_*``) run each op as 5–45 elementwise passes over the whole
 batch with temporaries. At 224 px that cost 4 ms per view for MoCo v1's always-on jitter (hue
 alone 2.8 ms), slower than PIL's uint8 C loops in the plain pipeline. No library fuses a
 per-sample colour jitter on CPU (kornia runs the same eager passes; DALI is GPU-only), so this
@@ -9,7 +9,7 @@ kernel does the same arithmetic per pixel, one image at a time, in a single pass
 
 * brightness ``clamp(b·x)``; contrast ``clamp(c·x + (1−c)·mean(gray(x)))``; saturation
   ``clamp(s·x + (1−s)·gray(x))``, gray the ITU-R 601-2 luma 0.2989 R + 0.587 G + 0.114 B;
-* hue: the closed form of ``pretrain.augment.adjust_hue`` (HSV hue position shifted by 6·h,
+* hue: the closed form of ``pretrain.augment.pipeline.adjust_hue`` (HSV hue position shifted by 6·h,
   value and saturation kept).
 
 Arithmetic is in float64 per pixel, stored as float32, so results match torchvision's float32 ops

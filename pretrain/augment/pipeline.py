@@ -10,7 +10,7 @@ and runs it in two stages:
    Both come from the global torch RNG, which the dataset seeds per ``(seed, epoch, index)``.
 2. ``finish(crops, u)``, per batch: uint8 → float32 in [0, 1], the photometric ops in recipe
    order with the per-sample parameters decoded from ``u`` (ColorJitter on CPU tensors by the
-   fused kernel of ``pretrain/jitter_cpu.py``, same arithmetic), then Normalize. Every op treats the
+   fused kernel of ``pretrain/augment/jitter_cpu.py``, same arithmetic), then Normalize. Every op treats the
    samples independently (elementwise, per-image mean, depthwise convolution), so a sample's
    output does not depend on which other samples share its batch. Works on CPU and CUDA.
 
@@ -165,8 +165,8 @@ class ColorJitterStage:
         return out
 
     def apply(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        if x.device.type == "cpu":  # one fused pass per op and image (pretrain/jitter_cpu.py)
-            from pretrain.jitter_cpu import color_jitter_
+        if x.device.type == "cpu":  # one fused pass per op and image (pretrain/augment/jitter_cpu.py)
+            from pretrain.augment.jitter_cpu import color_jitter_
 
             factors = torch.stack(
                 [
