@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from transfer.datasets.synthetic import PRESETS, generate, write_imagenet
+from contrastive_transfer.synthetic import PRESETS, generate, write_imagenet
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from transfer.datasets.synthetic import COCO_CATEGORIES, VOC_CLASSES, generate
+from contrastive_transfer.synthetic import COCO_CATEGORIES, VOC_CLASSES, generate
 
 VOC_SPLITS = [
     ("VOC2007", "trainval"),

@@ -9,7 +9,7 @@ from sklearn.svm import LinearSVC
 
 from contrastive_transfer.cli import UserError
 from transfer.datasets.readers import read_voc_labels
-from transfer.datasets.synthetic import VOC_CLASSES
+from contrastive_transfer.synthetic import VOC_CLASSES
 from transfer.voc07_svm import check_disjoint, main, run_svms, scoring_targets, training_targets, voc_ap
 
 # ------------------------------------------------------------------------------------------- AP

@@ -1,0 +1,405 @@
+"""python -m benchmarks.pretraining [--recipes tiny_mocov2,...] [--steps N] [--out benchmarks/pretrain.md]
+   (alias: python -m pretrain.bench ...)
+
+Figures, not pass/fail. Per recipe (each in a fresh process, so peak memory and Accelerate's
+process-wide state are its own):
+
+* engine step: steady-state wall time per step of the real loop (``pretrain.engine.train``), from
+  two runs of W and W+N steps, minus the data time the engine itself logs; images/s; peak memory
+  (peak RSS on CPU, peak allocated on CUDA);
+* bare step: the same method, optimizer and batch in a plain ``forward → backward → step →
+  after_step`` loop on an in-memory batch; the ratio engine / bare is the engine's overhead
+  (goal ≤ 1.05);
+* backbone step: forward + backward of the backbone alone on every view, for scale: bare /
+  backbone is what the method itself adds (heads, key encoders, queues, gathers, losses).
+
+Then, per augmentation recipe, two-view throughput of our pipeline (decode once to uint8, crop and
+flip per sample, colour ops batched over AUG_BATCH images with per-sample parameters, as the
+DataLoader fetches a batch; collate included) against a plain torchvision PIL pipeline of the same
+recipe (transforms v1, decode once per image, ToTensor + Normalize), on the configured image folder
+(goal ≥ 1.5×).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
+AUG_BATCH = 32  # images per DataLoader fetch in the augmentation benchmark (a small per-process batch)
+
+
+# ------------------------------------------------------------------------------- one recipe
+def _median_time(fn, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _engine_seconds(recipe: str, overrides: list[str], warmup: int, steps: int) -> float:
+    """Per-step wall time of the real loop without data loading: (T(W+N) − T(W)) / N − data time."""
+    from accelerate import Accelerator
+
+    from pretrain.config import load_config
+    from pretrain.engine import train
+
+    accelerator, totals, data_time = None, {}, 0.0
+    for n in (warmup, warmup + steps):
+        with tempfile.TemporaryDirectory() as out:
+            cfg = load_config(
+                RECIPES_DIR / f"{recipe}.yaml",
+                [
+                    *overrides,
+                    f"train.output_dir={out}",
+                    f"train.max_steps={n}",
+                    "train.log_every=1",
+                    "train.checkpoint_every=1000000",
+                    "train.resume=none",
+                    "knn.train_dir=null",
+                ],
+            )
+            accelerator = accelerator or Accelerator(cpu=cfg.train.cpu, mixed_precision=cfg.train.mixed_precision)
+            t0 = time.perf_counter()
+            train(cfg, accelerator)
+            totals[n] = time.perf_counter() - t0
+            rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+            if n == warmup + steps:
+                data_time = sum(r["data_time"] for r in rows if "loss" in r and r["step"] > warmup)
+    return (totals[warmup + steps] - totals[warmup] - data_time) / steps
+
+
+def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> dict:
+    from pretrain.config import load_config
+    from pretrain.data import ImageDataset, build_loader
+    from pretrain.engine import gpu_settings
+    from pretrain.methods import METHODS
+    from pretrain.optim import build_optimizer
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    cfg = load_config(RECIPES_DIR / f"{recipe}.yaml", overrides)
+    device = torch.device("cuda" if torch.cuda.is_available() and not cfg.train.cpu else "cpu")
+    torch.manual_seed(0)
+    method = METHODS[cfg.method.name](cfg, 1).to(device).train()
+    speed = gpu_settings(cfg, method, device)  # the engine's channels_last / cudnn / compile settings
+    optimizer = build_optimizer(method, cfg)
+    dataset = ImageDataset(cfg.data.root, method.view_transforms(cfg), seed=0)
+    views, _, _ = next(iter(build_loader(dataset, cfg.train.batch_size)))
+    views = [v.to(device, memory_format=speed.memory_format) for v in views]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def bare_step():
+        loss = method(views)["loss"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        method.after_step(skipped=False)
+        sync()
+
+    backbone = method.backbone
+
+    def backbone_step():
+        sum(backbone(v).float().pow(2).mean() for v in views).backward()
+        sync()
+
+    bare = _median_time(bare_step, warmup, steps)
+    backbone_only = _median_time(backbone_step, warmup, steps)
+    engine = _engine_seconds(recipe, overrides, warmup, steps)
+    images = cfg.train.batch_size
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
+    return {
+        "recipe": recipe,
+        "method": cfg.method.name,
+        "arch": cfg.model.arch,
+        "image_size": cfg.data.image_size,
+        "batch": images,
+        "views": len(views),
+        "device": device.type,
+        "channels_last": speed.channels_last,
+        "compiled": speed.compiled,
+        "engine_s": engine,
+        "bare_s": bare,
+        "backbone_s": backbone_only,
+        "images_per_s": images / engine,
+        "peak_mib": peak,
+        "engine_over_bare": engine / bare,
+        "bare_over_backbone": bare / backbone_only,
+    }
+
+
+# ------------------------------------------------------------------------------- augmentations
+def _pil_pipelines(recipe: str, size: int) -> list:
+    """The same recipe's two view transforms with torchvision transforms v1 on PIL images (the
+    common baseline)."""
+    from torchvision import transforms as T
+
+    from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+    from pretrain.augment import SIGMA, blur_kernel_size
+
+    blur = T.GaussianBlur(blur_kernel_size(size), sigma=SIGMA)
+    tail = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    if recipe == "byol":
+        byol = [
+            T.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+            T.RandomHorizontalFlip(),
+            T.RandomApply([T.ColorJitter(0.4, 0.4, 0.2, 0.1)], 0.8),
+            T.RandomGrayscale(0.2),
+        ]
+        return [
+            T.Compose([*byol, T.RandomApply([blur], 1.0), *tail]),
+            T.Compose([*byol, T.RandomApply([blur], 0.1), T.RandomSolarize(128, 0.2), *tail]),
+        ]
+    ops = {
+        "mocov1": [
+            T.RandomResizedCrop(size, scale=(0.2, 1.0)),
+            T.RandomGrayscale(0.2),
+            T.ColorJitter(0.4, 0.4, 0.4, 0.4),
+            T.RandomHorizontalFlip(),
+        ],
+        "mocov2": [
+            T.RandomResizedCrop(size, scale=(0.2, 1.0)),
+            T.RandomApply([T.ColorJitter(0.4, 0.4, 0.4, 0.1)], 0.8),
+            T.RandomGrayscale(0.2),
+            T.RandomApply([blur], 0.5),
+            T.RandomHorizontalFlip(),
+        ],
+        "simclr": [
+            T.RandomResizedCrop(size, scale=(0.08, 1.0)),
+            T.RandomHorizontalFlip(),
+            T.RandomApply([T.ColorJitter(0.8, 0.8, 0.8, 0.2)], 0.8),
+            T.RandomGrayscale(0.2),
+            T.RandomApply([blur], 0.5),
+        ],
+    }[recipe]
+    return [T.Compose([*ops, *tail])] * 2
+
+
+def bench_augmentation(recipe: str, root: str, size: int, n_images: int) -> dict:
+    from PIL import Image
+
+    from pretrain.augment import build_view_transforms
+    from pretrain.data import ImageDataset, collate
+
+    torch.manual_seed(0)
+    ours = ImageDataset(root, build_view_transforms(recipe, size), seed=0)
+    paths = [p for p, _ in ours.samples[:n_images]]
+    plain = _pil_pipelines(recipe, size)
+
+    def run_ours():  # what a DataLoader worker does per batch: __getitems__, then collate
+        for start in range(0, len(paths), AUG_BATCH):
+            collate(ours.__getitems__(list(range(start, min(start + AUG_BATCH, len(paths))))))
+
+    def run_plain():  # MoCo's TwoCropsTransform: one PIL decode, each view transform applied to it
+        for p in paths:
+            with Image.open(p) as im:
+                image = im.convert("RGB")
+            for view in plain:
+                view(image)
+
+    deferred = ImageDataset(root, build_view_transforms(recipe, size), seed=0, colour_on_device=True)
+
+    def run_deferred():  # a worker that leaves the colour stage to the GPU (data.colour_on_device)
+        for start in range(0, len(paths), AUG_BATCH):
+            collate(deferred.__getitems__(list(range(start, min(start + AUG_BATCH, len(paths))))))
+
+    def sent_bytes(dataset) -> float:  # per image, all views, as the worker hands them to the main process
+        views, _, _ = collate(dataset.__getitems__(list(range(AUG_BATCH))))
+        return (
+            sum(sum(t.numel() * t.element_size() for t in (v if isinstance(v, tuple) else (v,))) for v in views)
+            / AUG_BATCH
+        )
+
+    t_ours = _median_time(run_ours, 1, 3)
+    t_plain = _median_time(run_plain, 1, 3)
+    t_deferred = _median_time(run_deferred, 1, 3)
+    return {
+        "augmentation": recipe,
+        "image_size": size,
+        "images": len(paths),
+        "ours_per_s": len(paths) / t_ours,
+        "plain_per_s": len(paths) / t_plain,
+        "speedup": t_plain / t_ours,
+        "worker_ms": 1e3 * t_ours / len(paths),
+        "deferred_worker_ms": 1e3 * t_deferred / len(paths),
+        "bytes": sent_bytes(ours),
+        "deferred_bytes": sent_bytes(deferred),
+    }
+
+
+# ------------------------------------------------------------------------------- report
+def _report(rows: list[dict], aug: list[dict], args) -> str:
+    lines = [
+        "# Pretraining benchmark",
+        "",
+        f"`python -m pretrain.bench {' '.join(sys.argv[1:])}` on {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}; "
+        f"median of {args.steps} steps after {args.warmup} warm-up steps"
+        + (f"; GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "; no GPU")
+        + ".",
+        "",
+        "Engine = the real loop (`pretrain.engine.train`) minus its logged data time; bare = the method's "
+        "forward/backward/step/after_step on an in-memory batch; backbone = the backbone's forward/backward "
+        "on every view. Goal: engine / bare ≤ 1.05.",
+        "",
+        "| recipe | method | arch | px | batch | views | device | channels_last | compiled | engine ms/step | "
+        "images/s | bare ms | engine/bare | backbone ms | bare/backbone | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['recipe']} | {r['method']} | {r['arch']} | {r['image_size']} | {r['batch']} | {r['views']} | "
+            f"{r['device']} | {r['channels_last']} | {r['compiled']} | {1e3 * r['engine_s']:.1f} | "
+            f"{r['images_per_s']:.1f} | {1e3 * r['bare_s']:.1f} | "
+            f"{r['engine_over_bare']:.3f} | {1e3 * r['backbone_s']:.1f} | {r['bare_over_backbone']:.2f} | "
+            f"{r['peak_mib']:.0f} |"
+        )
+    lines += [
+        "",
+        "Two-view augmentation throughput (images/s, each image giving two views; decode included; "
+        f"ours fetched in batches of {AUG_BATCH} and collated). Goal: ours / plain PIL ≥ 1.5.",
+        "",
+        "| augmentation | px | images | ours img/s | plain PIL img/s | speedup |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in aug:
+        lines.append(
+            f"| {a['augmentation']} | {a['image_size']} | {a['images']} | {a['ours_per_s']:.1f} | "
+            f"{a['plain_per_s']:.1f} | {a['speedup']:.2f}× |"
+        )
+    lines += [
+        "",
+        "Worker cost per image (two views) with the colour stage in the worker (the CPU path) or left "
+        "to the GPU (`data.colour_on_device`, default on CUDA), and the bytes per image a worker sends "
+        "(float32 views vs uint8 crops + random draws).",
+        "",
+        "| augmentation | px | worker ms/img | worker ms/img, colour on device | bytes/img | "
+        "bytes/img, colour on device |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in aug:
+        lines.append(
+            f"| {a['augmentation']} | {a['image_size']} | {a['worker_ms']:.2f} | "
+            f"{a['deferred_worker_ms']:.2f} | {a['bytes']:.0f} | {a['deferred_bytes']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["learning"]:  # `python -m pretrain.bench learning ...`: the learning table
+        from benchmarks.learning import main as learning
+
+        return learning(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain.bench",
+        description=__doc__.splitlines()[0],
+        epilog="`python -m pretrain.bench learning --help`: the table of what each "
+        "tiny recipe learns (benchmarks/learning.md)",
+    )
+    parser.add_argument("--recipes", default=None, help="comma-separated recipe names (default: every tiny_*)")
+    parser.add_argument("--data-root", default="datasets/synthetic/imagenet/train")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--aug-sizes", default="64,224", help="augmentation benchmark output sizes")
+    parser.add_argument("--aug-images", type=int, default=256)
+    parser.add_argument("--out", default="benchmarks/pretrain.md")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the steps run (auto: CUDA when available)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every recipe, e.g. train.channels_last=true (repeatable)",
+    )
+    parser.add_argument("--no-augmentation", action="store_true", help="skip the augmentation throughput part")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: one recipe, JSON out
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: no CUDA device is visible")
+    overrides = [f"data.root={args.data_root}", "data.num_workers=0", *args.set]
+    if args.device == "cpu":
+        overrides.append("train.cpu=true")
+    if args.one:
+        print("RESULT=" + json.dumps(bench_recipe(args.one, overrides, args.warmup, args.steps)))
+        return
+    if not Path(args.data_root).is_dir():
+        sys.exit(
+            f"error: --data-root {args.data_root} does not exist (generate it: "
+            "python -m transfer.datasets.synthetic --out datasets/synthetic --preset small)"
+        )
+    recipes = args.recipes.split(",") if args.recipes else sorted(p.stem for p in RECIPES_DIR.glob("tiny_*.yaml"))
+    rows = []
+    for recipe in recipes:
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.pretraining",
+                "--one",
+                recipe,
+                "--data-root",
+                args.data_root,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--device",
+                args.device,
+                *(f"--set={kv}" for kv in args.set),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if res.returncode != 0 or "RESULT=" not in res.stdout:
+            sys.exit(f"error: benchmark of {recipe} failed:\n{res.stderr[-2000:]}")
+        rows.append(json.loads(res.stdout.rsplit("RESULT=", 1)[1]))
+        r = rows[-1]
+        print(
+            f"{recipe}: engine {1e3 * r['engine_s']:.1f} ms/step ({r['images_per_s']:.1f} img/s), bare "
+            f"{1e3 * r['bare_s']:.1f} ms, engine/bare {r['engine_over_bare']:.3f}, peak {r['peak_mib']:.0f} MiB",
+            flush=True,
+        )
+    aug = []
+    for size in [] if args.no_augmentation else (int(s) for s in args.aug_sizes.split(",")):
+        for recipe in ("mocov1", "mocov2", "simclr", "byol"):
+            aug.append(bench_augmentation(recipe, args.data_root, size, args.aug_images))
+            a = aug[-1]
+            print(
+                f"augmentation {recipe} @{size}px: ours {a['ours_per_s']:.1f} img/s, plain PIL "
+                f"{a['plain_per_s']:.1f} img/s, {a['speedup']:.2f}×; worker {a['worker_ms']:.2f} ms/img, "
+                f"{a['deferred_worker_ms']:.2f} with colour on device; {a['bytes']:.0f} vs "
+                f"{a['deferred_bytes']:.0f} bytes/img",
+                flush=True,
+            )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(_report(rows, aug, args))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from contrastive_transfer.synthetic.generate import main
+
+main()
