@@ -338,7 +338,9 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
             f"{source}: the record says {record.get('arch')} ({record.get('stem')} stem) "
             f"but its tensors are {arch} ({stem} stem)"
         )
-    size = pretraining_image_size(record) if record is not None else None
+    # Files without the record (hand-made, or a baseline saved in this project's shape) may still
+    # say their pretraining size in config.data.image_size.
+    size = pretraining_image_size(record if record is not None else ckpt) if isinstance(ckpt, Mapping) else None
     return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder, size)
 
 

@@ -36,42 +36,147 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from contrastive_transfer.synthetic.shapes import SCENE_LAYOUTS, SHAPE_NAMES, SHAPES, Canvas, clip_to_image, place, scene
+from contrastive_transfer.synthetic.shapes import (
+    SCENE_LAYOUTS,
+    SHAPE_NAMES,
+    SHAPES,
+    Canvas,
+    clip_to_image,
+    place,
+    scene,
+)
 
 FORMAT_VERSION = 3  # bump whenever the images change, so old outputs are regenerated
 
 VOC_CLASSES = (
-    "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
-    "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train",
+    "aeroplane",
+    "bicycle",
+    "bird",
+    "boat",
+    "bottle",
+    "bus",
+    "car",
+    "cat",
+    "chair",
+    "cow",
+    "diningtable",
+    "dog",
+    "horse",
+    "motorbike",
+    "person",
+    "pottedplant",
+    "sheep",
+    "sofa",
+    "train",
     "tvmonitor",
 )
 # The 80 COCO 2017 detection categories with their official ids (1..90, with gaps).
 COCO_CATEGORIES = (
-    (1, "person"), (2, "bicycle"), (3, "car"), (4, "motorcycle"), (5, "airplane"), (6, "bus"),
-    (7, "train"), (8, "truck"), (9, "boat"), (10, "traffic light"), (11, "fire hydrant"),
-    (13, "stop sign"), (14, "parking meter"), (15, "bench"), (16, "bird"), (17, "cat"), (18, "dog"),
-    (19, "horse"), (20, "sheep"), (21, "cow"), (22, "elephant"), (23, "bear"), (24, "zebra"),
-    (25, "giraffe"), (27, "backpack"), (28, "umbrella"), (31, "handbag"), (32, "tie"),
-    (33, "suitcase"), (34, "frisbee"), (35, "skis"), (36, "snowboard"), (37, "sports ball"),
-    (38, "kite"), (39, "baseball bat"), (40, "baseball glove"), (41, "skateboard"),
-    (42, "surfboard"), (43, "tennis racket"), (44, "bottle"), (46, "wine glass"), (47, "cup"),
-    (48, "fork"), (49, "knife"), (50, "spoon"), (51, "bowl"), (52, "banana"), (53, "apple"),
-    (54, "sandwich"), (55, "orange"), (56, "broccoli"), (57, "carrot"), (58, "hot dog"),
-    (59, "pizza"), (60, "donut"), (61, "cake"), (62, "chair"), (63, "couch"), (64, "potted plant"),
-    (65, "bed"), (67, "dining table"), (70, "toilet"), (72, "tv"), (73, "laptop"), (74, "mouse"),
-    (75, "remote"), (76, "keyboard"), (77, "cell phone"), (78, "microwave"), (79, "oven"),
-    (80, "toaster"), (81, "sink"), (82, "refrigerator"), (84, "book"), (85, "clock"), (86, "vase"),
-    (87, "scissors"), (88, "teddy bear"), (89, "hair drier"), (90, "toothbrush"),
+    (1, "person"),
+    (2, "bicycle"),
+    (3, "car"),
+    (4, "motorcycle"),
+    (5, "airplane"),
+    (6, "bus"),
+    (7, "train"),
+    (8, "truck"),
+    (9, "boat"),
+    (10, "traffic light"),
+    (11, "fire hydrant"),
+    (13, "stop sign"),
+    (14, "parking meter"),
+    (15, "bench"),
+    (16, "bird"),
+    (17, "cat"),
+    (18, "dog"),
+    (19, "horse"),
+    (20, "sheep"),
+    (21, "cow"),
+    (22, "elephant"),
+    (23, "bear"),
+    (24, "zebra"),
+    (25, "giraffe"),
+    (27, "backpack"),
+    (28, "umbrella"),
+    (31, "handbag"),
+    (32, "tie"),
+    (33, "suitcase"),
+    (34, "frisbee"),
+    (35, "skis"),
+    (36, "snowboard"),
+    (37, "sports ball"),
+    (38, "kite"),
+    (39, "baseball bat"),
+    (40, "baseball glove"),
+    (41, "skateboard"),
+    (42, "surfboard"),
+    (43, "tennis racket"),
+    (44, "bottle"),
+    (46, "wine glass"),
+    (47, "cup"),
+    (48, "fork"),
+    (49, "knife"),
+    (50, "spoon"),
+    (51, "bowl"),
+    (52, "banana"),
+    (53, "apple"),
+    (54, "sandwich"),
+    (55, "orange"),
+    (56, "broccoli"),
+    (57, "carrot"),
+    (58, "hot dog"),
+    (59, "pizza"),
+    (60, "donut"),
+    (61, "cake"),
+    (62, "chair"),
+    (63, "couch"),
+    (64, "potted plant"),
+    (65, "bed"),
+    (67, "dining table"),
+    (70, "toilet"),
+    (72, "tv"),
+    (73, "laptop"),
+    (74, "mouse"),
+    (75, "remote"),
+    (76, "keyboard"),
+    (77, "cell phone"),
+    (78, "microwave"),
+    (79, "oven"),
+    (80, "toaster"),
+    (81, "sink"),
+    (82, "refrigerator"),
+    (84, "book"),
+    (85, "clock"),
+    (86, "vase"),
+    (87, "scissors"),
+    (88, "teddy bear"),
+    (89, "hair drier"),
+    (90, "toothbrush"),
 )
-_VOC_TO_COCO_NAME = {"aeroplane": "airplane", "diningtable": "dining table",
-                     "motorbike": "motorcycle", "pottedplant": "potted plant", "sofa": "couch",
-                     "tvmonitor": "tv"}
+_VOC_TO_COCO_NAME = {
+    "aeroplane": "airplane",
+    "diningtable": "dining table",
+    "motorbike": "motorcycle",
+    "pottedplant": "potted plant",
+    "sofa": "couch",
+    "tvmonitor": "tv",
+}
 _COCO_ID = {name: cid for cid, name in COCO_CATEGORIES}
 COCO_IDS_USED = tuple(_COCO_ID[_VOC_TO_COCO_NAME.get(c, c)] for c in VOC_CLASSES)
 
 IMAGENET_CLASSES = SHAPE_NAMES[:10]
-PLACES_CLASSES = ("a/abbey", "a/alley", "b/beach", "b/bedroom", "c/canyon", "c/corridor",
-                  "f/forest_path", "h/highway", "k/kitchen", "m/mountain")
+PLACES_CLASSES = (
+    "a/abbey",
+    "a/alley",
+    "b/beach",
+    "b/bedroom",
+    "c/canyon",
+    "c/corridor",
+    "f/forest_path",
+    "h/highway",
+    "k/kitchen",
+    "m/mountain",
+)
 PLACES_IMAGE_DIR = "data/vision/torralba/deeplearning/images256"
 # A VOC object is "difficult" when most of it is hidden or it is tiny, as in the VOC guidelines.
 DIFFICULT_VISIBLE_FRACTION = 0.45
@@ -119,13 +224,13 @@ def render_classification(key: tuple[int, ...], cls: int, side: tuple[int, int],
     size = min(h, w) * rng.uniform(0.6, 0.9)
     cx, cy = w / 2 + rng.uniform(-0.2, 0.2) * (w - size), h / 2 + rng.uniform(-0.2, 0.2) * (h - size)
     canvas.paint(rng, place(SHAPES[SHAPE_NAMES[cls]], rng, cx, cy, size), owner=0)
-    canvas.clutter(rng, n_lines=int(rng.integers(0, 3)), n_blobs=int(rng.integers(0, 2)),
-                   blob_size=min(h, w) * 0.18)
+    canvas.clutter(rng, n_lines=int(rng.integers(0, 3)), n_blobs=int(rng.integers(0, 2)), blob_size=min(h, w) * 0.18)
     _save_jpeg(canvas.image(), path)
 
 
-def render_detection(key: tuple[int, ...], first_class: int, width: tuple[int, int],
-                     height: tuple[int, int], path: Path) -> dict:
+def render_detection(
+    key: tuple[int, ...], first_class: int, width: tuple[int, int], height: tuple[int, int], path: Path
+) -> dict:
     """1–4 objects (the first of class `first_class`, so classes stay balanced), clutter on top,
     and every fifth image one tiny extra object. Boxes are tight around each object's visible
     pixels; returns the image size and its objects."""
@@ -143,8 +248,7 @@ def render_detection(key: tuple[int, ...], first_class: int, width: tuple[int, i
         cx, cy = rng.uniform(size * 0.2, w - size * 0.2), rng.uniform(size * 0.2, h - size * 0.2)
         pts = place(SHAPES[SHAPE_NAMES[cls]], rng, cx, cy, size)
         drawn.append((cls, pts, canvas.paint(rng, pts, owner=j)))
-    canvas.clutter(rng, n_lines=int(rng.integers(0, 5)), n_blobs=int(rng.integers(0, 3)),
-                   blob_size=min(h, w) * 0.22)
+    canvas.clutter(rng, n_lines=int(rng.integers(0, 5)), n_blobs=int(rng.integers(0, 3)), blob_size=min(h, w) * 0.22)
     _save_jpeg(canvas.image(), path)
 
     objects = []
@@ -155,17 +259,19 @@ def render_detection(key: tuple[int, ...], first_class: int, width: tuple[int, i
         x0, y0, x1, y1 = int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())
         visible = len(xs) / max(painted, 1)
         clipped = clip_to_image(pts, w, h)
-        objects.append({
-            "class": cls,
-            "box": [x0, y0, x1, y1],  # 0-based inclusive pixel indices
-            "area": len(xs),
-            "difficult": int(visible < DIFFICULT_VISIBLE_FRACTION
-                             or max(x1 - x0, y1 - y0) + 1 < DIFFICULT_MAX_SIDE),
-            "truncated": int(bool((pts < 0).any() or (pts[:, 0] > w - 1).any()
-                                  or (pts[:, 1] > h - 1).any())),
-            "polygon": [round(float(v), 3) for v in clipped.reshape(-1)],
-            "fully_visible": len(xs) == painted,
-        })
+        objects.append(
+            {
+                "class": cls,
+                "box": [x0, y0, x1, y1],  # 0-based inclusive pixel indices
+                "area": len(xs),
+                "difficult": int(
+                    visible < DIFFICULT_VISIBLE_FRACTION or max(x1 - x0, y1 - y0) + 1 < DIFFICULT_MAX_SIDE
+                ),
+                "truncated": int(bool((pts < 0).any() or (pts[:, 0] > w - 1).any() or (pts[:, 1] > h - 1).any())),
+                "polygon": [round(float(v), 3) for v in clipped.reshape(-1)],
+                "fully_visible": len(xs) == painted,
+            }
+        )
     return {"width": w, "height": h, "objects": objects}
 
 
@@ -193,9 +299,19 @@ def _render_all(jobs: list[tuple], desc: str, workers: int) -> list:
 def write_imagenet(root: Path, preset: Preset, seed: int, workers: int) -> dict:
     summary = {"classes": list(IMAGENET_CLASSES)}
     for split_id, (split, per_class) in enumerate(zip(("train", "val"), preset.imagenet_per_class)):
-        jobs = [(render_classification, ((seed, 1, split_id, c * 100_000 + i), c, preset.imagenet_side,
-                                         root / split / name / f"{name}_{i:05d}.JPEG"))
-                for c, name in enumerate(IMAGENET_CLASSES) for i in range(per_class)]
+        jobs = [
+            (
+                render_classification,
+                (
+                    (seed, 1, split_id, c * 100_000 + i),
+                    c,
+                    preset.imagenet_side,
+                    root / split / name / f"{name}_{i:05d}.JPEG",
+                ),
+            )
+            for c, name in enumerate(IMAGENET_CLASSES)
+            for i in range(per_class)
+        ]
         _render_all(jobs, f"imagenet/{split}", workers)
         summary[split] = {"images": len(jobs), "per_class": {n: per_class for n in IMAGENET_CLASSES}}
     return summary
@@ -247,10 +363,19 @@ def write_voc(root: Path, year: int, splits: dict[str, int], preset: Preset, see
     for split_id, (split, n) in enumerate(splits.items()):
         ids = [f"{year}_{i:06d}" if year != 2007 else f"{i:06d}" for i in range(start, start + n)]
         start += n
-        jobs = [(render_detection, ((seed, year, split_id, i), i % len(VOC_CLASSES),
-                                    preset.detection_width,
-                                    preset.detection_height, root / "JPEGImages" / f"{image_id}.jpg"))
-                for i, image_id in enumerate(ids)]
+        jobs = [
+            (
+                render_detection,
+                (
+                    (seed, year, split_id, i),
+                    i % len(VOC_CLASSES),
+                    preset.detection_width,
+                    preset.detection_height,
+                    root / "JPEGImages" / f"{image_id}.jpg",
+                ),
+            )
+            for i, image_id in enumerate(ids)
+        ]
         for image_id, ann in zip(ids, _render_all(jobs, f"{root.name}/{split}", workers)):
             (root / "Annotations" / f"{image_id}.xml").write_bytes(_voc_xml(root.name, image_id, ann))
             anns[image_id] = ann
@@ -264,8 +389,7 @@ def write_voc(root: Path, year: int, splits: dict[str, int], preset: Preset, see
             (main / f"{cls}_{split}.txt").write_text("".join(f"{i} {labels[i][cls]:2d}\n" for i in ids))
         summary["splits"][split] = {
             "ids": ids,
-            "objects": {i: [[VOC_CLASSES[o["class"]], o["difficult"]] for o in anns[i]["objects"]]
-                        for i in ids},
+            "objects": {i: [[VOC_CLASSES[o["class"]], o["difficult"]] for o in anns[i]["objects"]] for i in ids},
         }
     return summary
 
@@ -277,33 +401,57 @@ def write_coco(root: Path, preset: Preset, seed: int, workers: int) -> dict:
     for split_id, (split, n) in enumerate((("train2017", preset.coco_train), ("val2017", preset.coco_val))):
         image_ids = list(range(next_image_id, next_image_id + n))
         next_image_id += n
-        jobs = [(render_detection, ((seed, 2017, split_id, i), i % len(VOC_CLASSES), preset.detection_width,
-                                    preset.detection_height, root / split / f"{image_id:012d}.jpg"))
-                for i, image_id in enumerate(image_ids)]
+        jobs = [
+            (
+                render_detection,
+                (
+                    (seed, 2017, split_id, i),
+                    i % len(VOC_CLASSES),
+                    preset.detection_width,
+                    preset.detection_height,
+                    root / split / f"{image_id:012d}.jpg",
+                ),
+            )
+            for i, image_id in enumerate(image_ids)
+        ]
         images, annotations, fully_visible = [], [], []
         for image_id, ann in zip(image_ids, _render_all(jobs, f"coco/{split}", workers)):
-            images.append({"id": image_id, "file_name": f"{image_id:012d}.jpg",
-                           "height": ann["height"], "width": ann["width"]})
+            images.append(
+                {"id": image_id, "file_name": f"{image_id:012d}.jpg", "height": ann["height"], "width": ann["width"]}
+            )
             for obj in ann["objects"]:
                 x0, y0, x1, y1 = obj["box"]
-                annotations.append({
-                    "id": len(annotations) + 1, "image_id": image_id,
-                    "category_id": COCO_IDS_USED[obj["class"]],
-                    "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)],
-                    "area": float(obj["area"]), "iscrowd": 0, "segmentation": [obj["polygon"]],
-                })
+                annotations.append(
+                    {
+                        "id": len(annotations) + 1,
+                        "image_id": image_id,
+                        "category_id": COCO_IDS_USED[obj["class"]],
+                        "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)],
+                        "area": float(obj["area"]),
+                        "iscrowd": 0,
+                        "segmentation": [obj["polygon"]],
+                    }
+                )
                 if obj["fully_visible"]:
                     fully_visible.append(annotations[-1]["id"])
-        dataset = {"info": {"description": "synthetic shapes in the COCO 2017 layout", "version": "1.0"},
-                   "licenses": [], "images": images, "annotations": annotations, "categories": categories}
+        dataset = {
+            "info": {"description": "synthetic shapes in the COCO 2017 layout", "version": "1.0"},
+            "licenses": [],
+            "images": images,
+            "annotations": annotations,
+            "categories": categories,
+        }
         (root / "annotations").mkdir(parents=True, exist_ok=True)
         (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(dataset))
         per_category: dict[int, int] = {}
         for a in annotations:
             per_category[a["category_id"]] = per_category.get(a["category_id"], 0) + 1
-        summary[split] = {"images": len(images), "annotations": len(annotations),
-                          "per_category": {str(k): v for k, v in sorted(per_category.items())},
-                          "fully_visible_annotation_ids": fully_visible}
+        summary[split] = {
+            "images": len(images),
+            "annotations": len(annotations),
+            "per_category": {str(k): v for k, v in sorted(per_category.items())},
+            "fully_visible_annotation_ids": fully_visible,
+        }
     return summary
 
 
@@ -312,11 +460,16 @@ def write_places205(root: Path, preset: Preset, seed: int, workers: int) -> dict
     lists = root / "trainvalsplit_places205"
     lists.mkdir(parents=True, exist_ok=True)
     for split_id, (split, per_class) in enumerate(zip(("train", "val"), preset.places_per_class)):
-        rel = [f"{name}/{split_id * 10_000_000 + c * 100_000 + i:08d}.jpg"
-               for c, name in enumerate(PLACES_CLASSES) for i in range(per_class)]
+        rel = [
+            f"{name}/{split_id * 10_000_000 + c * 100_000 + i:08d}.jpg"
+            for c, name in enumerate(PLACES_CLASSES)
+            for i in range(per_class)
+        ]
         labels = [c for c in range(len(PLACES_CLASSES)) for _ in range(per_class)]
-        jobs = [(render_scene, ((seed, 205, split_id, k), c, preset.places_side, root / PLACES_IMAGE_DIR / r))
-                for k, (r, c) in enumerate(zip(rel, labels))]
+        jobs = [
+            (render_scene, ((seed, 205, split_id, k), c, preset.places_side, root / PLACES_IMAGE_DIR / r))
+            for k, (r, c) in enumerate(zip(rel, labels))
+        ]
         _render_all(jobs, f"places205/{split}", workers)
         (lists / f"{split}_places205.csv").write_text("".join(f"{r} {c}\n" for r, c in zip(rel, labels)))
         summary[split] = {"images": len(rel), "per_class": {n: per_class for n in PLACES_CLASSES}}
@@ -324,8 +477,9 @@ def write_places205(root: Path, preset: Preset, seed: int, workers: int) -> dict
 
 
 # ----------------------------------------------------------------------------------- main
-def generate(out: str | os.PathLike, seed: int = 0, preset: str = "tiny", workers: int = 1,
-             force: bool = False) -> dict:
+def generate(
+    out: str | os.PathLike, seed: int = 0, preset: str = "tiny", workers: int = 1, force: bool = False
+) -> dict:
     """Write every dataset under `out` and return the manifest. Re-running with the same seed and
     preset on a complete output does nothing; a different seed/preset replaces what this
     generator wrote before; folders it did not write are never deleted without `force`."""
@@ -339,8 +493,10 @@ def generate(out: str | os.PathLike, seed: int = 0, preset: str = "tiny", worker
         return previous
     existing = [d for d in OWNED_DIRS if (out / d).exists()]
     if existing and previous is None and not force:
-        raise FileExistsError(f"{out}: {', '.join(existing)} exist but {manifest_path} does not, so they "
-                              "were not written (completely) by this generator; pass --force to overwrite")
+        raise FileExistsError(
+            f"{out}: {', '.join(existing)} exist but {manifest_path} does not, so they "
+            "were not written (completely) by this generator; pass --force to overwrite"
+        )
     for d in existing:
         shutil.rmtree(out / d)
     manifest_path.unlink(missing_ok=True)
@@ -348,8 +504,9 @@ def generate(out: str | os.PathLike, seed: int = 0, preset: str = "tiny", worker
     p = PRESETS[preset]
     manifest = {"config": config}
     manifest["imagenet"] = write_imagenet(out / "imagenet", p, seed, workers)
-    manifest["VOC2007"] = write_voc(out / "VOC2007", 2007, {"trainval": p.voc07_trainval, "test": p.voc07_test},
-                                    p, seed, workers)
+    manifest["VOC2007"] = write_voc(
+        out / "VOC2007", 2007, {"trainval": p.voc07_trainval, "test": p.voc07_test}, p, seed, workers
+    )
     manifest["VOC2012"] = write_voc(out / "VOC2012", 2012, {"trainval": p.voc12_trainval}, p, seed, workers)
     manifest["coco"] = write_coco(out / "coco", p, seed, workers)
     manifest["places205"] = write_places205(out / "places205", p, seed, workers)
@@ -360,7 +517,9 @@ def generate(out: str | os.PathLike, seed: int = 0, preset: str = "tiny", worker
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m contrastive_transfer.synthetic", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m contrastive_transfer.synthetic", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", required=True, help="output root (becomes DETECTRON2_DATASETS-style root)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -374,14 +533,22 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out).resolve()
     voc07 = m["VOC2007"]["splits"]
     print(f"synthetic datasets (preset {args.preset}, seed {args.seed}) in {out}")
-    print(f"  imagenet   {out / 'imagenet'}: {m['imagenet']['train']['images']} train / "
-          f"{m['imagenet']['val']['images']} val images, {len(IMAGENET_CLASSES)} classes")
-    print(f"  VOC2007    {out / 'VOC2007'}: {len(voc07['trainval']['ids'])} trainval / {len(voc07['test']['ids'])} test")
+    print(
+        f"  imagenet   {out / 'imagenet'}: {m['imagenet']['train']['images']} train / "
+        f"{m['imagenet']['val']['images']} val images, {len(IMAGENET_CLASSES)} classes"
+    )
+    print(
+        f"  VOC2007    {out / 'VOC2007'}: {len(voc07['trainval']['ids'])} trainval / {len(voc07['test']['ids'])} test"
+    )
     print(f"  VOC2012    {out / 'VOC2012'}: {len(m['VOC2012']['splits']['trainval']['ids'])} trainval")
-    print(f"  coco       {out / 'coco'}: {m['coco']['train2017']['images']} train2017 / "
-          f"{m['coco']['val2017']['images']} val2017 images")
-    print(f"  places205  {out / 'places205'}: {m['places205']['train']['images']} train / "
-          f"{m['places205']['val']['images']} val images, {len(PLACES_CLASSES)} classes")
+    print(
+        f"  coco       {out / 'coco'}: {m['coco']['train2017']['images']} train2017 / "
+        f"{m['coco']['val2017']['images']} val2017 images"
+    )
+    print(
+        f"  places205  {out / 'places205'}: {m['places205']['train']['images']} train / "
+        f"{m['places205']['val']['images']} val images, {len(PLACES_CLASSES)} classes"
+    )
 
 
 if __name__ == "__main__":

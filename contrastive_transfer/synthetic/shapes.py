@@ -66,8 +66,32 @@ SHAPES: dict[str, Polygon] = {
     "square": _regular(4, math.pi / 4) / math.sqrt(0.5) * 0.8,
     "triangle": _regular(3, -math.pi / 2) * 1.1 + np.array([0.0, 0.2]),
     "star": _regular(10, -math.pi / 2, (1.0, 0.5)),
-    "cross": _poly(-0.3, -1, 0.3, -1, 0.3, -0.3, 1, -0.3, 1, 0.3, 0.3, 0.3, 0.3, 1, -0.3, 1,
-                   -0.3, 0.3, -1, 0.3, -1, -0.3, -0.3, -0.3),
+    "cross": _poly(
+        -0.3,
+        -1,
+        0.3,
+        -1,
+        0.3,
+        -0.3,
+        1,
+        -0.3,
+        1,
+        0.3,
+        0.3,
+        0.3,
+        0.3,
+        1,
+        -0.3,
+        1,
+        -0.3,
+        0.3,
+        -1,
+        0.3,
+        -1,
+        -0.3,
+        -0.3,
+        -0.3,
+    ),
     "crescent": _crescent(),
     "heart": _heart(),
     "arrow": _poly(-1, -0.28, 0.15, -0.28, 0.15, -0.7, 1, 0, 0.15, 0.7, 0.15, 0.28, -1, 0.28),
@@ -158,8 +182,9 @@ def background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------- drawing
-def place(poly: Polygon, rng: np.random.Generator, cx: float, cy: float, size: float,
-          max_rotation_deg: float = 25.0) -> Polygon:
+def place(
+    poly: Polygon, rng: np.random.Generator, cx: float, cy: float, size: float, max_rotation_deg: float = 25.0
+) -> Polygon:
     """Scale the unit outline to `size` pixels across, jitter aspect, flip, rotate, move."""
     pts = poly * np.array([rng.uniform(0.85, 1.18), 1.0])
     if rng.random() < 0.5:
@@ -291,8 +316,7 @@ def scene(rng: np.random.Generator, layout: int, shape: str, h: int, w: int) -> 
         size = min(h, w) * rng.uniform(0.12, 0.25)
         pts = place(SHAPES[shape], rng, rng.uniform(0, w), rng.uniform(0, h), size)
         canvas.paint(rng, pts, owner=0)
-    canvas.clutter(rng, n_lines=int(rng.integers(0, 3)), n_blobs=int(rng.integers(0, 2)),
-                   blob_size=min(h, w) * 0.2)
+    canvas.clutter(rng, n_lines=int(rng.integers(0, 3)), n_blobs=int(rng.integers(0, 2)), blob_size=min(h, w) * 0.2)
     return canvas.image()
 
 

@@ -13,8 +13,8 @@ import torch
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from pretrain import augment as A
 from pretrain.augment import blur_kernel_size, build_view_transforms
+from pretrain.augment import pipeline as A
 from pretrain.data import ImageDataset, build_loader, set_loader_epoch
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

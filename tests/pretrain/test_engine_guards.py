@@ -93,13 +93,13 @@ def test_resume_that_does_not_fit_the_run_fails_clearly(accelerator, synthetic_r
 
 BF16_RUN = """
 import json, sys, torch
-import pretrain.methods.base as base
+import pretrain.losses.infonce as infonce
 from pretrain.__main__ import main
-seen, original = [], base.info_nce
+seen, original = [], infonce.info_nce
 def spy(pos, neg, *args, **kwargs):
     seen.append([str(pos.dtype), str(neg.dtype), torch.is_autocast_enabled("cpu")])
     return original(pos, neg, *args, **kwargs)
-base.info_nce = spy
+infonce.info_nce = spy  # what InfoNCELoss, the hosts' criterion, calls
 main(sys.argv[1:])
 print("SEEN=" + json.dumps(seen))
 """

@@ -8,8 +8,8 @@ from sklearn.model_selection import cross_val_score
 from sklearn.svm import LinearSVC
 
 from contrastive_transfer.cli import UserError
-from transfer.datasets.readers import read_voc_labels
 from contrastive_transfer.synthetic import VOC_CLASSES
+from transfer.datasets.readers import read_voc_labels
 from transfer.voc07_svm import check_disjoint, main, run_svms, scoring_targets, training_targets, voc_ap
 
 # ------------------------------------------------------------------------------------------- AP
