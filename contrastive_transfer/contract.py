@@ -14,8 +14,8 @@ Both files a pretraining run writes carry the same record at their top level::
     method, step, git_sha, config
 
 ``checkpoint_final.pth`` is the record alone. ``checkpoint_last.pth`` (and ``checkpoint_prev.pth``)
-add the training state under ``TRAINING_KEYS`` (the method's state_dict, optimizer, scaler, RNG
-states, ...), which only ``pretrain`` reads: a reader of weights never parses a method's internals.
+add the training state (the method's state_dict, optimizer, scaler, RNG states, ...; marked by
+``TRAINING_STATE_KEYS``), which only ``pretrain`` reads: a reader of weights never parses a method's internals.
 
 Torch is imported inside the functions that need it, so a command's ``--help`` does not wait for it.
 """
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 BACKBONE_FORMAT = "contrastive-transfer/backbone/v1"
 _FORMAT_FAMILY = BACKBONE_FORMAT.rsplit("/", 1)[0] + "/"
 FINAL_NAME, LAST_NAME, PREV_NAME = "checkpoint_final.pth", "checkpoint_last.pth", "checkpoint_prev.pth"
-TRAINING_KEYS = ("method", "optimizer", "scaler", "rng", "step", "steps_per_epoch")
+TRAINING_STATE_KEYS = frozenset({"method", "optimizer", "step"})  # present in every training state
 STEMS = ("imagenet", "small")
 
 # torchvision's ImageNet statistics (RGB, 0-1 scale): every pretraining view and every evaluation.

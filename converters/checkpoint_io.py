@@ -28,7 +28,7 @@ import torchvision
 from torch import nn
 
 from contrastive_transfer.cli import UserError
-from contrastive_transfer.contract import FormatError, pretraining_image_size, read_backbone_record
+from contrastive_transfer.contract import TRAINING_STATE_KEYS, FormatError, pretraining_image_size, read_backbone_record
 from converters.layouts import ENCODERS, LAYOUTS, Layout  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
             if layout == "auto"
             else f"not in the {layout!r} layout ({LAYOUTS[layout].description})"
         )
-        if isinstance(ckpt, Mapping) and {"method", "optimizer", "step"} <= ckpt.keys():
+        if isinstance(ckpt, Mapping) and TRAINING_STATE_KEYS <= ckpt.keys():
             which = (
                 "a training checkpoint of this project written before it carried the backbone record; "
                 "convert the run's checkpoint_final.pth, or resume the run once to rewrite it"

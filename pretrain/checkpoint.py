@@ -22,11 +22,14 @@ import torch.distributed as torch_dist
 from omegaconf import OmegaConf
 
 from contrastive_transfer.cli import UserError, atomic_write
-from contrastive_transfer.contract import BACKBONE_FORMAT, FINAL_NAME, LAST_NAME, PREV_NAME, backbone_record
+from contrastive_transfer.contract import (  # noqa: F401  (FINAL_NAME re-exported for the engine)
+    FINAL_NAME,
+    LAST_NAME,
+    PREV_NAME,
+    TRAINING_STATE_KEYS,
+    backbone_record,
+)
 from pretrain import dist
-
-FINAL_FORMAT = BACKBONE_FORMAT  # the name older code imports
-__all__ = ["FINAL_NAME", "LAST_NAME", "PREV_NAME", "FINAL_FORMAT"]
 
 
 class ResumeError(UserError):
@@ -157,7 +160,7 @@ def read_training_state(path: Path) -> dict:
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ResumeError(f"cannot read checkpoint {path} ({first})") from None
-    if not isinstance(state, dict) or not {"method", "optimizer", "step"} <= state.keys():
+    if not isinstance(state, dict) or not TRAINING_STATE_KEYS <= state.keys():
         raise ResumeError(
             f"{path} is not a training checkpoint (expected the keys method, optimizer, step; "
             "checkpoint_final.pth cannot be resumed, use checkpoint_last.pth)"

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from contrastive_transfer.cli import UserError
-from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE
+from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, STEMS
 
 
 class ConfigError(UserError, ValueError):
@@ -81,7 +81,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 }
 
 CHOICES = {
-    "model.stem": ("imagenet", "small"),
+    "model.stem": STEMS,
     "optim.name": ("sgd", "lars"),
     "optim.lr_scaling": ("linear", "sqrt", "none"),
     "optim.schedule": ("cosine", "step", "constant"),

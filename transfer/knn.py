@@ -31,9 +31,6 @@ if TYPE_CHECKING:  # torch is imported where it is used, so that --help does not
 logger = logging.getLogger(__name__)
 
 
-knn_scores = knn_vote  # the name the tests and older callers use
-
-
 def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> dict[str, float]:
     """{"top1": %, "top5": %} (k capped at the number of classes)."""
     ranked = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices
@@ -55,7 +52,7 @@ def knn_evaluate(
 
     bank = F.normalize(torch.as_tensor(train_feats, dtype=torch.float32), dim=1)
     query = F.normalize(torch.as_tensor(val_feats, dtype=torch.float32), dim=1)
-    scores = knn_scores(query, bank, torch.as_tensor(train_labels), num_classes, k, t)
+    scores = knn_vote(query, bank, torch.as_tensor(train_labels), num_classes, k, t)
     return topk_accuracy(scores, torch.as_tensor(val_labels))
 
 

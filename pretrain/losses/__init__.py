@@ -15,6 +15,7 @@ from .infonce import (
     info_nce,
     mi_lower_bound,
     nt_xent_similarities,
+    positive_number,
     sample_negatives,
     similarities,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "info_nce",
     "mi_lower_bound",
     "nt_xent_similarities",
+    "positive_number",
     "sample_negatives",
     "similarities",
 ]

@@ -34,7 +34,14 @@ from pretrain import dist
 from pretrain.augment import build_multicrop_transforms
 from pretrain.config import ConfigError
 from pretrain.diagnostics import contrastive_stats
-from pretrain.losses import AdversarialBank, adversary_gradient, in_batch_similarities, info_nce, similarities
+from pretrain.losses import (
+    AdversarialBank,
+    adversary_gradient,
+    in_batch_similarities,
+    info_nce,
+    positive_number,
+    similarities,
+)
 from pretrain.methods.base import Method, QueryKeyEncoders, check_bn_splits
 from pretrain.models import build_encoder, embed, momentum_copy, momentum_update
 
@@ -67,8 +74,7 @@ class AdCo(QueryKeyEncoders, Method):
     def check(cls, cfg, num_processes: int) -> None:
         m = cfg.method
         for key in ("temperature", "bank_temperature", "bank_size"):
-            if not (isinstance(m[key], (int, float)) and m[key] > 0):
-                raise ConfigError(f"method.{key}={m[key]}: expected a positive number")
+            positive_number(m, key)
         if m.bank_init not in BANK_INITS:
             raise ConfigError(f"method.bank_init={m.bank_init!r}: expected one of {list(BANK_INITS)}")
         crops = len(m.query_crops)

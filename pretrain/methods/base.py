@@ -29,7 +29,7 @@ from pretrain import dist
 from pretrain.augment import build_view_transforms
 from pretrain.config import ConfigError
 from pretrain.diagnostics import contrastive_stats
-from pretrain.losses import LOSS_CONFIG_KEYS, LOSSES, SAMPLING_MODES, sample_negatives
+from pretrain.losses import LOSS_CONFIG_KEYS, LOSSES, SAMPLING_MODES, positive_number, sample_negatives
 
 
 class Method(nn.Module):
@@ -119,8 +119,7 @@ class InfoNCEHost(Method):
     @classmethod
     def check(cls, cfg, num_processes: int) -> None:
         m = cfg.method
-        if m.temperature is None or m.temperature <= 0:
-            raise ConfigError(f"method.temperature={m.temperature}: expected a positive number")
+        positive_number(m, "temperature")
         if m.loss not in LOSSES:
             raise ConfigError(f"method.loss={m.loss!r}: expected one of {list(LOSSES)}")
         chosen = LOSSES[m.loss]

@@ -14,9 +14,10 @@ from torch import nn
 import transfer.features as features
 import transfer.linear as linear
 import transfer.linear_probe as linear_probe
+from contrastive_transfer.contract import knn_vote
 from converters.checkpoint_io import load_backbone
 from transfer.features import LayerFeatures, Preprocessing, pool, pooling_for
-from transfer.knn import knn_scores, topk_accuracy
+from transfer.knn import topk_accuracy
 
 
 def small_stem_resnet18(seed: int = 0) -> nn.Module:
@@ -113,7 +114,7 @@ def test_knn_votes_match_brute_force():
     query = torch.nn.functional.normalize(torch.randn(13, 8, dtype=torch.float64), dim=1)
     labels = torch.as_tensor(rng.integers(0, 4, 50))
     k, t = 7, 0.07
-    got = knn_scores(query, bank, labels, 4, k, t, chunk=5)
+    got = knn_vote(query, bank, labels, 4, k, t, chunk=5)
     for q in range(13):
         sims = [float(query[q] @ bank[j]) for j in range(50)]
         nearest = sorted(range(50), key=lambda j: -sims[j])[:k]
