@@ -69,8 +69,10 @@ class Basis:
         gram = xb @ xb.T
         if dim <= n:
             _, v = torch.linalg.eigh(xb.T @ xb)
+            v = v.flip(1)  # largest eigenvalues first: ``solve``'s dense preconditioner block
         else:  # X̃ = U Σ Vᵀ with K = U Σ² Uᵀ: V = X̃ᵀ U Σ⁻¹, dropping directions with no data
             lam, u = torch.linalg.eigh(gram)
+            lam, u = lam.flip(0), u.flip(1)
             keep = lam > lam.max() * 1e-12
             v = (xb.T @ u[:, keep]) / lam[keep].sqrt()
         return cls(xb @ v, v, gram)
@@ -99,6 +101,7 @@ def solve(
     max_cg: int = MAX_CG,
     gram: torch.Tensor | None = None,
     direct_max: int = 1200,
+    block: int = 64,
 ) -> Solution:
     """Minimise f_p for every column p of y (labels ±1) and s (C_p · c_i, 0 outside the problem's
     rows), from w0 (zeros by default). xb is X̃ = ``with_bias(X)``, float64."""
@@ -106,6 +109,8 @@ def solve(
     problems = y.shape[1]
     w = xb.new_zeros(dim, problems) if w0 is None else w0.clone()
     xsq = xb * xb  # for diag(H)
+    kb = min(block, dim)
+    pairs = (xb[:, :kb, None] * xb[:, None, :kb]).reshape(n, kb * kb)  # for H's leading kb × kb block
     newton_steps = torch.zeros(problems, dtype=torch.long, device=xb.device)
     converged = torch.zeros(problems, dtype=torch.bool, device=xb.device)
     cg_total = 0
@@ -134,7 +139,11 @@ def solve(
             d[:, small], xd[:, small] = _direct(xb, gram, curv[:, small], g[:, small])
         if not small.all():
             big = ~small
-            d[:, big], xd[:, big], steps = _cg(xb, curv[:, big], precond[:, big], g[:, big], forcing[big], max_cg)
+            lead = (pairs.T @ curv[:, big]).T.reshape(-1, kb, kb) + torch.eye(kb, dtype=xb.dtype, device=xb.device)
+            factor = torch.linalg.cholesky(lead)
+            d[:, big], xd[:, big], steps = _cg(
+                xb, curv[:, big], precond[:, big], factor, g[:, big], forcing[big], max_cg
+            )
             cg_total += steps
         t = _line_search(wl, d, z, xd, yl, sl)
         w[:, live] = wl + t * d
@@ -171,13 +180,23 @@ def _grad_norm(xb, y, s, w) -> torch.Tensor:
     return (w - 2 * (xb.T @ (s * y * m))).norm(dim=0)
 
 
-def _cg(xb, curv, precond, g, forcing, max_cg):
+def _precondition(r, precond, factor):
+    """M⁻¹ r for M = H's leading kb × kb block (exact, by its Cholesky factor) ⊕ diag(H) elsewhere."""
+    z = r / precond
+    kb = factor.shape[-1]
+    z[:kb] = torch.cholesky_solve(r[:kb].T.unsqueeze(-1), factor).squeeze(-1).T
+    return z
+
+
+def _cg(xb, curv, precond, factor, g, forcing, max_cg):
     """Preconditioned CG on H d = −g per column; returns d, X̃ d and the number of batched steps.
-    A column stops when ‖r‖ ≤ forcing · ‖g‖; columns that stop leave the batch."""
+    A column stops when ‖r‖ ≤ forcing · ‖g‖; columns that stop leave the batch. In the Basis
+    coordinates the leading block holds the dominant directions of X̃ᵀX̃ (a shared low-rank part of
+    the features), which a diagonal preconditioner cannot see."""
     d = torch.zeros_like(g)
     xd = xb.new_zeros(xb.shape[0], g.shape[1])
     r = -g
-    zr = r / precond
+    zr = _precondition(r, precond, factor)
     p = zr.clone()
     rz = (r * zr).sum(0)
     target = forcing * g.norm(dim=0)
@@ -194,7 +213,7 @@ def _cg(xb, curv, precond, g, forcing, max_cg):
         if not open_.any():
             break
         idx, r, p, rz, target, alpha = (t[..., open_] for t in (idx, r, p, rz, target, alpha))
-        zr = r / precond[:, idx]
+        zr = _precondition(r, precond[:, idx], factor[idx])
         rz_new = (r * zr).sum(0)
         p = zr + (rz_new / rz) * p
         rz = rz_new
