@@ -365,6 +365,8 @@ def run_svms(
         from transfer.svm_solver import DEFAULT_TOL
 
         xtr, xte = l2_normalize(train_x), l2_normalize(test_x)
+        # Processes, not threads: on a shared machine torch's threads spin against the other load
+        # (2 threads took 3.5x the CPU of 1 process under load 3), processes degrade gracefully.
         workers = min(n_classes, jobs if jobs > 0 else max(1, (os.cpu_count() or 1) + 1 + jobs))
         groups = [list(g) for g in np.array_split(np.arange(n_classes), workers)]
         parts = _run(
@@ -471,7 +473,9 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="newton solver: stop when ‖∇f‖² ≤ 2·tol·f, i.e. f − min f ≤ tol·f (default 1e-8)",
     )
-    p.add_argument("--jobs", type=int, default=-1, help="parallel SVM processes (-1: all cores)")
+    p.add_argument(
+        "--jobs", type=int, default=-1, help="parallel SVM processes (-1: all cores); newton: classes split over them"
+    )
     p.add_argument("--cache-dir", default=None, help="feature cache (default OUT/features)")
     return p
 
