@@ -2,7 +2,7 @@
 
     python -m benchmarks.svm [--classes N] [--ref-classes N] [--jobs 1,2] [--costs ...] [--features FILE.npz]
                              [--runs fair,plain,liblinear,newton] [--markdown]
-    python -m benchmarks.svm --export-cache DIR --voc-root VOC [--layer res5avg] --features FILE.npz
+    python -m benchmarks.svm --export-cache OUT/features --voc-root VOC [--layer res5avg] --features FILE.npz
     python -m transfer.bench_svm ...                                  (the same command)
 
 Runs, each with 1 process and with 2 (``--jobs``), on the same L2-normalised features:
@@ -150,15 +150,19 @@ def load_features(path: str | None) -> tuple[dict[str, np.ndarray], str]:
 
 
 def export_cache(cache_dir: str, voc_root: str, layer: str, out: str) -> None:
-    """An .npz for --features from a voc07_svm feature cache directory (OUT/features/<key>)."""
+    """An .npz for --features from a voc07_svm feature cache (OUT/features: one key folder per
+    image list, so trainval and test sit in different folders)."""
     from transfer.datasets.readers import read_voc_labels
 
-    folder = Path(cache_dir)
     arrays = {}
     for split, name in (("trainval", "train"), ("test", "test")):
-        path = folder / f"{split}_{layer}_features.npy"
-        if not path.is_file():
-            raise SystemExit(f"error: --export-cache {cache_dir}: no {path.name} (run transfer.voc07_svm first)")
+        found = sorted(Path(cache_dir).glob(f"*/{split}_{layer}_features.npy"))
+        if len(found) != 1:
+            raise SystemExit(
+                f"error: --export-cache {cache_dir}: expected one */{split}_{layer}_features.npy, found {len(found)} "
+                "(run transfer.voc07_svm first; one checkpoint per cache folder)"
+            )
+        path = found[0]
         arrays[f"{name}_x"] = np.load(path)
         arrays[f"{name}_labels"] = read_voc_labels(voc_root, split).labels
         if len(arrays[f"{name}_x"]) != len(arrays[f"{name}_labels"]):
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=_jobs, default=[1, 2], help="process counts to compare (default 1,2)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
     parser.add_argument("--markdown", action="store_true", help="also print the table rows of benchmarks/svm.md")
-    parser.add_argument("--export-cache", default=None, help="voc07_svm feature cache dir → --features FILE.npz")
+    parser.add_argument("--export-cache", default=None, help="voc07_svm feature cache (OUT/features) → --features")
     parser.add_argument("--voc-root", default=None, help="with --export-cache: the VOC2007 folder (labels)")
     parser.add_argument("--layer", default="res5avg", help="with --export-cache: the layer")
     args = parser.parse_args(argv)
