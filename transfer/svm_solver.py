@@ -13,9 +13,12 @@ rows outside a problem's training fold simply weigh 0. f_p is differentiable and
     H_p     = I + 2 X̃ᵀ diag(s ∘ [m > 0]) X̃      (generalised Hessian)
 
 Method (the finite Newton method of Keerthi & DeCoste 2005, the primal Newton that liblinear's
-``-s 2`` also uses): each step solves H_p d = −∇f_p by conjugate gradients preconditioned with
-diag(H_p), then minimises the piecewise-quadratic f_p(w + t d) over t exactly (a safeguarded 1-D
-Newton). All problems advance together, so every Hessian-vector product is one matrix product
+``-s 2`` also uses): each step solves H_p d = −∇f_p — exactly through the Gram matrix (Woodbury,
+one Cholesky of the active rows' block) when at most ``direct_max`` rows are active, else by
+conjugate gradients preconditioned with H_p's leading ``block`` × ``block`` block (in ``Basis``
+coordinates: the dominant directions of X̃ᵀX̃) and its diagonal elsewhere — then minimises the
+piecewise-quadratic f_p(w + t d) over t exactly (a safeguarded 1-D Newton). All problems
+advance together, so every Hessian-vector product is one matrix product
 X̃ @ V and one X̃ᵀ @ R over the problems still running, and problems leave the batch as they
 converge. Callers warm-start each cost from the previous one's solution.
 
@@ -148,11 +151,10 @@ def solve(
         t = _line_search(wl, d, z, xd, yl, sl)
         w[:, live] = wl + t * d
         newton_steps[live] += 1
-    final = w
     return Solution(
-        final,
-        objective(xb, y, s, final),
-        _grad_norm(xb, y, s, final),
+        w,
+        objective(xb, y, s, w),
+        _grad_norm(xb, y, s, w),
         newton_steps,
         cg_total,
         converged,
