@@ -4,6 +4,13 @@ The layers and their pooling are in ``transfer.layers``.
 
 Preprocessing: "warp" (VOC07 SVM: shorter side → resize, then resize to crop×crop, aspect not
 kept, no crop) or "center" (linear/kNN evaluation: shorter side → resize, center crop).
+
+Both run on the PIL image, as VISSL (and the MoCo/VISSL linear evaluations) do with torchvision's
+``transforms.Resize`` / ``CenterCrop`` on PIL images: PIL bilinear resampling (PIL's own, which
+widens the filter when it shrinks), the long side computed by torchvision's
+``_compute_resized_output_size`` — ``int(resize * long / short)``, truncated, in torchvision
+0.29 — then ``ToTensor`` (÷255) and the ImageNet normalisation. Resizing a uint8 tensor instead
+(antialiased bilinear in torch) gives different pixels and moves the mAP by a few tenths.
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import PIL
 import torch
 import torch.nn.functional as F
+import torchvision
 from torch import nn
 from torch.utils.data import DataLoader
+from torchvision import transforms
 from torchvision.models.feature_extraction import create_feature_extractor
-from torchvision.transforms import v2
 
 from contrastive_transfer.cli import atomic_write
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
@@ -53,22 +62,32 @@ class Preprocessing:
         if not 0 < self.crop <= self.resize:
             raise ValueError(f"--crop {self.crop} / --resize {self.resize}: expected 0 < crop <= resize")
 
-    def transform(self) -> v2.Compose:
-        second = v2.Resize((self.crop, self.crop), antialias=True) if self.mode == "warp" else v2.CenterCrop(self.crop)
-        return v2.Compose(
-            [
-                v2.ToImage(),
-                v2.Resize(self.resize, antialias=True),
-                second,
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-                v2.ToPureTensor(),
-            ]
+    backend: str = "pil"  # where the resizing happens; part of the feature cache key
+
+    def pil_steps(self) -> transforms.Compose:
+        """The PIL part: PIL image → PIL image (resize shorter side, then warp or center crop)."""
+        second = (
+            transforms.Resize((self.crop, self.crop), interpolation=transforms.InterpolationMode.BILINEAR)
+            if self.mode == "warp"
+            else transforms.CenterCrop(self.crop)
+        )
+        return transforms.Compose(
+            [transforms.Resize(self.resize, interpolation=transforms.InterpolationMode.BILINEAR), second]
+        )
+
+    def transform(self) -> transforms.Compose:
+        """PIL image → normalised float tensor (3, crop, crop)."""
+        return transforms.Compose(
+            [self.pil_steps(), transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
         )
 
     def describe(self) -> dict:
         second = f"resize to {self.crop}x{self.crop}" if self.mode == "warp" else f"center crop {self.crop}"
-        return {**asdict(self), "ops": f"shorter side {self.resize}, {second}, ImageNet mean/std"}
+        return {
+            **asdict(self),
+            "ops": f"shorter side {self.resize} (long side truncated), {second}, ToTensor, ImageNet mean/std",
+            "resampling": f"PIL {PIL.__version__} bilinear on the PIL image (torchvision {torchvision.__version__})",
+        }
 
 
 def load_model(weights: str | os.PathLike, encoder: str = "query", layout: str = "auto") -> tuple[nn.Module, Backbone]:

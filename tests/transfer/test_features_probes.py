@@ -83,6 +83,51 @@ def test_preprocessing_warp_vs_center():
     )
 
 
+def pil_reference(image, resize: int, crop: int, mode: str) -> np.ndarray:
+    """VISSL's preprocessing written with PIL alone: shorter side → `resize` with the long side
+    int(resize · long / short), PIL bilinear; then a crop×crop warp (PIL bilinear) or centre crop."""
+    from PIL import Image
+
+    w, h = image.size
+    size = (resize, int(resize * h / w)) if w <= h else (int(resize * w / h), resize)
+    image = image.resize(size, Image.BILINEAR)
+    if mode == "warp":
+        return np.asarray(image.resize((crop, crop), Image.BILINEAR))
+    left, top = int(round((size[0] - crop) / 2.0)), int(round((size[1] - crop) / 2.0))
+    return np.asarray(image.crop((left, top, left + crop, top + crop)))
+
+
+def test_preprocessing_is_the_pil_pipeline_pixel_for_pixel(synthetic_root):
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    rng = np.random.default_rng(0)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for h, w in ((375, 500), (333, 500), (500, 281), (97, 131))
+    ]
+    jpegs = sorted((synthetic_root / "VOC2007" / "JPEGImages").glob("*.jpg"))[:4]
+    images += [Image.open(path).convert("RGB") for path in jpegs]
+    mean, std = np.array(features.IMAGENET_MEAN), np.array(features.IMAGENET_STD)
+    differs_from_tensor_path = 0
+    for mode in ("warp", "center"):
+        for resize, crop in ((256, 224), (73, 64)):
+            prep = Preprocessing(resize, crop, mode)
+            for image in images:
+                expected = pil_reference(image, resize, crop, mode)
+                np.testing.assert_array_equal(np.asarray(prep.pil_steps()(image)), expected)
+                tensor = prep.transform()(image)
+                reference = ((expected / 255.0 - mean) / std).transpose(2, 0, 1)
+                np.testing.assert_allclose(tensor.numpy(), reference, rtol=0, atol=1e-5)
+                # The previous pipeline (resizing the uint8 tensor) is measurably different.
+                old = v2.Compose([v2.ToImage(), v2.Resize(resize, antialias=True)])(image)
+                if mode == "warp":
+                    old = v2.Resize((crop, crop), antialias=True)(old)
+                    differs_from_tensor_path += not np.array_equal(old.permute(1, 2, 0).numpy(), expected)
+    assert differs_from_tensor_path >= len(images)
+    assert Preprocessing().describe()["resampling"].startswith("PIL")
+
+
 def test_feature_cache_extracts_once(synthetic_root, random_checkpoint, tmp_path, monkeypatch):
     from transfer.datasets.readers import read_image_folder
 
