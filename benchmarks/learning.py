@@ -5,9 +5,10 @@ architecture at random initialization, with wall time, images/s and peak memory.
     python -m benchmarks.learning [--recipes tiny_simclr,tiny_mocov2] [--epochs 6] [--fresh]
     python -m pretrain.bench learning ...                       (the same command)
 
-Rows are kept per recipe under --work (a measured row is not redone unless --fresh), so the table
-can be built across several runs; each run rewrites --out (markdown) and its PNG bar chart from all
-rows measured so far, listing the recipes not measured yet.
+Rows are kept per recipe under --work (a measured row is not redone unless --fresh, or unless the
+recipe's resolved config no longer hashes to the row's: an edited recipe is measured again, from a
+clean run directory), so the table can be built across several runs; each run rewrites --out
+(markdown) and its PNG bar chart from all rows measured so far, listing the recipes not measured yet.
 """
 
 from __future__ import annotations
@@ -158,9 +159,24 @@ def random_baseline(arch: str, stem: str, image_size: int, data: Path, work: Pat
     return evaluate(weights, data, out)
 
 
-def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = False) -> dict:
+def _budget(epochs: int, seed: int = 0) -> list[str]:
+    return [f"train.epochs={epochs}", f"train.seed={seed}", "train.log_with=none"]
+
+
+def config_hash(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] = ()) -> str:
+    """Hash of the resolved recipe at this budget, without the machine's paths (data root, output
+    dir): a row measured in one checkout stays valid in another, and goes stale when the recipe does."""
     from omegaconf import OmegaConf
 
+    from pretrain.config import load_config
+
+    cfg = load_config(RECIPES / f"{recipe}.yaml", [*_budget(epochs, seed), *extra])
+    for key in ("data.root", "train.output_dir"):
+        OmegaConf.update(cfg, key, None)
+    return hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest()[:10]
+
+
+def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = False) -> dict:
     from pretrain.config import load_config
 
     run = work / "runs" / recipe
@@ -170,12 +186,9 @@ def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = Fals
     overrides = [
         f"data.root={data / 'imagenet' / 'train'}",
         f"train.output_dir={run / 'pretrain'}",
-        f"train.epochs={epochs}",
-        "train.seed=0",
-        "train.log_with=none",
+        *_budget(epochs),
     ]
     cfg = load_config(RECIPES / f"{recipe}.yaml", overrides)
-    config_hash = hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest()[:10]
     final = run / "pretrain" / "checkpoint_final.pth"
     seconds, peak = run_logged(
         [sys.executable, "-m", "pretrain", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides],
@@ -199,7 +212,8 @@ def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = Fals
         **pretrained,
         "random_knn_top1": random["knn_top1"],
         "random_linear_top1": random["linear_top1"],
-        "config_hash": config_hash,
+        "load_avg_5min": os.getloadavg()[1],
+        "config_hash": config_hash(recipe, epochs),
         "git_sha": _git_sha(),
     }
 
@@ -214,23 +228,25 @@ def write_table(rows: dict[str, dict], recipes: list[str], out: Path, args) -> N
         "the pretraining size, against the same architecture at random initialization. Machine: "
         f"{platform.machine()}, {os.cpu_count()} CPU cores, one thread per process; wall times of a "
         "shared 2-core VM vary by ±20 %. One seed per row: differences of a few points are within "
-        "seed-to-seed spread. A row beats its init when kNN gains ≥ 5 points.",
+        "seed-to-seed spread. A row beats its init when kNN gains ≥ 5 points. `load`: the machine's 5-minute "
+        "load average when the pretraining ended (other jobs share the cores; min and img/s are slower under load).",
         "",
         "| recipe | method | kNN top-1 | random kNN | gain | probe top-1 | random probe | min | img/s | "
-        "peak MiB | config | git |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak MiB | load | config | git |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for recipe in recipes:
         r = rows.get(recipe)
         if r is None:
-            lines.append(f"| {recipe} | not measured yet | | | | | | | | | | |")
+            lines.append(f"| {recipe} | not measured yet | | | | | | | | | | | |")
             continue
         gain = r["knn_top1"] - r["random_knn_top1"]
         lines.append(
             f"| {recipe} | {r['method']} | {r['knn_top1']:.1f} | {r['random_knn_top1']:.1f} | "
             f"{gain:+.1f}{'' if gain >= 5 else ' (does not learn)'} | {r['linear_top1']:.1f} | "
             f"{r['random_linear_top1']:.1f} | {r['seconds'] / 60:.1f} | {r['images_per_s']:.0f} | "
-            f"{r['peak_mib']:.0f} | `{r['config_hash']}` | `{r['git_sha']}` |"
+            f"{r['peak_mib']:.0f} | {r.get('load_avg_5min', float('nan')):.1f} | `{r['config_hash']}` | "
+            f"`{r['git_sha']}` |"
         )
     png = out.with_suffix(".png")
     lines += ["", f"![kNN top-1 per recipe]({png.name})", ""]
@@ -289,11 +305,17 @@ def main(argv: list[str] | None = None) -> None:
     rows_dir.mkdir(parents=True, exist_ok=True)
     for recipe in chosen:
         row_file = rows_dir / f"{recipe}.json"
+        stale = False
         if row_file.is_file() and not args.fresh:
-            print(f"{recipe}: measured before ({row_file})")
-            continue
+            measured = json.loads(row_file.read_text()).get("config_hash")
+            current = config_hash(recipe, args.epochs)
+            if measured == current:
+                print(f"{recipe}: measured before ({row_file})")
+                continue
+            stale = True  # the recipe changed since: its run directory would resume the old one
+            print(f"{recipe}: config {current} differs from the measured row's {measured}: measuring again")
         print(f"{recipe}: pretraining {args.epochs} epochs ...", flush=True)
-        row = measure(recipe, args.epochs, data, work, args.fresh)
+        row = measure(recipe, args.epochs, data, work, args.fresh or stale)
         row_file.write_text(json.dumps(row, indent=1))
         print(
             f"{recipe}: kNN {row['knn_top1']:.1f} (random {row['random_knn_top1']:.1f}), probe "
