@@ -71,8 +71,9 @@ def run_logged(cmd: list[str], log: Path) -> tuple[float, float]:
     return time.time() - start, peak[0]
 
 
-def evaluate(weights: Path, data: Path, out: Path) -> dict[str, float]:
-    """kNN and linear-probe top-1 of a backbone, each at the checkpoint's pretraining size."""
+def evaluate(weights: Path, data: Path, out: Path, probe: bool = True) -> dict[str, float]:
+    """kNN and (unless ``probe`` is False) linear-probe top-1 of a backbone, each at the checkpoint's
+    pretraining size."""
     py = sys.executable
     imagenet = data / "imagenet"
     if not (out / "knn" / "metrics.json").is_file():
@@ -98,6 +99,9 @@ def evaluate(weights: Path, data: Path, out: Path) -> dict[str, float]:
             ],
             out / "knn.log",
         )
+    knn = json.loads((out / "knn" / "metrics.json").read_text())
+    if not probe:
+        return {"knn_top1": knn["top1"]}
     if not (out / "linear" / "metrics.json").is_file():
         run_logged(
             [
@@ -127,12 +131,13 @@ def evaluate(weights: Path, data: Path, out: Path) -> dict[str, float]:
             ],
             out / "linear.log",
         )
-    knn = json.loads((out / "knn" / "metrics.json").read_text())
-    probe = json.loads((out / "linear" / "metrics.json").read_text())
-    return {"knn_top1": knn["top1"], "linear_top1": probe["top1"]}
+    linear = json.loads((out / "linear" / "metrics.json").read_text())
+    return {"knn_top1": knn["top1"], "linear_top1": linear["top1"]}
 
 
-def random_baseline(arch: str, stem: str, image_size: int, data: Path, work: Path) -> dict[str, float]:
+def random_baseline(
+    arch: str, stem: str, image_size: int, data: Path, work: Path, probe: bool = True
+) -> dict[str, float]:
     """The same architecture at torchvision's initialization (seed 0), evaluated once per (arch, stem, size)."""
     import torch
     import torchvision
@@ -156,7 +161,7 @@ def random_baseline(arch: str, stem: str, image_size: int, data: Path, work: Pat
             },
             weights,
         )
-    return evaluate(weights, data, out)
+    return evaluate(weights, data, out, probe)
 
 
 def _budget(epochs: int, seed: int = 0) -> list[str]:
@@ -218,6 +223,16 @@ def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = Fals
     }
 
 
+# benchmarks/eqco_k.py writes its table after this line of --out; this module keeps it.
+SECTION_MARK = "<!-- python -m benchmarks.eqco_k writes below this line -->"
+
+
+def kept_section(out: Path) -> str:
+    """The part of ``out`` from SECTION_MARK on ('' if none), so that each tool rewrites only its own."""
+    text = out.read_text() if out.is_file() else ""
+    return text[text.index(SECTION_MARK) :] if SECTION_MARK in text else ""
+
+
 def write_table(rows: dict[str, dict], recipes: list[str], out: Path, args) -> None:
     lines = [
         "# Every method learns: tiny recipes on the synthetic data",
@@ -250,7 +265,7 @@ def write_table(rows: dict[str, dict], recipes: list[str], out: Path, args) -> N
         )
     png = out.with_suffix(".png")
     lines += ["", f"![kNN top-1 per recipe]({png.name})", ""]
-    out.write_text("\n".join(lines))
+    out.write_text("\n".join(lines) + kept_section(out))
     _chart(rows, png)
 
 
