@@ -134,6 +134,7 @@ def evaluate(weights: Path, data: Path, out: Path, probe: bool = True) -> dict[s
                 "0",
                 "--output-dir",
                 str(out / "linear"),
+                "--resume",  # an interrupted probe continues (the probe checks its settings match)
             ],
             out / "linear.log",
         )
