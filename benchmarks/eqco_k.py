@@ -108,7 +108,9 @@ def write_section(rows: list[dict], args, out: Path) -> None:
         "kNN top-1 (k 20) of the backbone on the small preset, mean ± sample std over seeds with the "
         f"per-seed values. Random init kNN: {', '.join(f'{v:.1f}' for v in randoms) or 'not measured'}. "
         f"At K = {ALPHA} EqCo's margin is 0 and both columns are the same runs. SiMo is not in the grid "
-        "(its K is B − 1 = 15 at batch 16); see tiny_simo and tiny_simo_k16 above.",
+        "(its K is B − 1 = 15 at batch 16); see tiny_simo and tiny_simo_k16 above. Read the cells against "
+        f"the host's own gain: its {HOST} row above says whether it beats its init at all in this budget; "
+        "where it does not, the K comparison is within noise.",
         "",
         "| K | InfoNCE kNN top-1 | EqCo kNN top-1 | EqCo − InfoNCE |",
         "|---|---|---|---|",
