@@ -5,9 +5,10 @@ architecture at random initialization, with wall time, images/s and peak memory.
     python -m benchmarks.learning [--recipes tiny_simclr,tiny_mocov2] [--epochs 6] [--fresh]
     python -m pretrain.bench learning ...                       (the same command)
 
-Rows are kept per recipe under --work (a measured row is not redone unless --fresh), so the table
-can be built across several runs; each run rewrites --out (markdown) and its PNG bar chart from all
-rows measured so far, listing the recipes not measured yet.
+Rows are kept per recipe under --work (a measured row is not redone unless --fresh, or unless the
+recipe's resolved config no longer hashes to the row's: an edited recipe is measured again, from a
+clean run directory), so the table can be built across several runs; each run rewrites --out
+(markdown) and its PNG bar chart from all rows measured so far, listing the recipes not measured yet.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "configs" / "pretrain"
-KNN_K, PROBE_EPOCHS, PROBE_LR = 20, 10, 0.3  # the probe's lr: the moco preset's 30 diverges on these backbones
+# The probe: BatchNorm (no affine) + fc on res5avg (the places205 preset's head, MoCo's feature), SGD
+# nesterov, lr × 0.1 at epochs 2, 5, 8 of 10. The BN makes one lr fit every backbone: without it (the
+# moco preset) lr 30 diverges on these backbones and so did lr 0.3 on tiny_simclr's, whose features
+# are larger than a random init's. lr 0.1 raised the training loss in its first epochs; 0.03 did not.
+KNN_K, PROBE_PRESET, PROBE_LAYER, PROBE_EPOCHS, PROBE_LR = 20, "places205", "res5avg", 10, 0.03
 
 
 def tiny_recipes() -> list[str]:
@@ -70,8 +75,9 @@ def run_logged(cmd: list[str], log: Path) -> tuple[float, float]:
     return time.time() - start, peak[0]
 
 
-def evaluate(weights: Path, data: Path, out: Path) -> dict[str, float]:
-    """kNN and linear-probe top-1 of a backbone, each at the checkpoint's pretraining size."""
+def evaluate(weights: Path, data: Path, out: Path, probe: bool = True) -> dict[str, float]:
+    """kNN and (unless ``probe`` is False) linear-probe top-1 of a backbone, each at the checkpoint's
+    pretraining size."""
     py = sys.executable
     imagenet = data / "imagenet"
     if not (out / "knn" / "metrics.json").is_file():
@@ -97,6 +103,9 @@ def evaluate(weights: Path, data: Path, out: Path) -> dict[str, float]:
             ],
             out / "knn.log",
         )
+    knn = json.loads((out / "knn" / "metrics.json").read_text())
+    if not probe:
+        return {"knn_top1": knn["top1"]}
     if not (out / "linear" / "metrics.json").is_file():
         run_logged(
             [
@@ -110,7 +119,9 @@ def evaluate(weights: Path, data: Path, out: Path) -> dict[str, float]:
                 "--data-root",
                 str(imagenet),
                 "--preset",
-                "moco",
+                PROBE_PRESET,
+                "--layer",
+                PROBE_LAYER,
                 "--epochs",
                 str(PROBE_EPOCHS),
                 "--lr",
@@ -123,15 +134,17 @@ def evaluate(weights: Path, data: Path, out: Path) -> dict[str, float]:
                 "0",
                 "--output-dir",
                 str(out / "linear"),
+                "--resume",  # an interrupted probe continues (the probe checks its settings match)
             ],
             out / "linear.log",
         )
-    knn = json.loads((out / "knn" / "metrics.json").read_text())
-    probe = json.loads((out / "linear" / "metrics.json").read_text())
-    return {"knn_top1": knn["top1"], "linear_top1": probe["top1"]}
+    linear = json.loads((out / "linear" / "metrics.json").read_text())
+    return {"knn_top1": knn["top1"], "linear_top1": linear["top1"]}
 
 
-def random_baseline(arch: str, stem: str, image_size: int, data: Path, work: Path) -> dict[str, float]:
+def random_baseline(
+    arch: str, stem: str, image_size: int, data: Path, work: Path, probe: bool = True
+) -> dict[str, float]:
     """The same architecture at torchvision's initialization (seed 0), evaluated once per (arch, stem, size)."""
     import torch
     import torchvision
@@ -155,12 +168,27 @@ def random_baseline(arch: str, stem: str, image_size: int, data: Path, work: Pat
             },
             weights,
         )
-    return evaluate(weights, data, out)
+    return evaluate(weights, data, out, probe)
+
+
+def _budget(epochs: int, seed: int = 0) -> list[str]:
+    return [f"train.epochs={epochs}", f"train.seed={seed}", "train.log_with=none"]
+
+
+def config_hash(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] = ()) -> str:
+    """Hash of the resolved recipe at this budget, without the machine's paths (data root, output
+    dir): a row measured in one checkout stays valid in another, and goes stale when the recipe does."""
+    from omegaconf import OmegaConf
+
+    from pretrain.config import load_config
+
+    cfg = load_config(RECIPES / f"{recipe}.yaml", [*_budget(epochs, seed), *extra])
+    for key in ("data.root", "train.output_dir"):
+        OmegaConf.update(cfg, key, None)
+    return hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest()[:10]
 
 
 def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = False) -> dict:
-    from omegaconf import OmegaConf
-
     from pretrain.config import load_config
 
     run = work / "runs" / recipe
@@ -170,17 +198,20 @@ def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = Fals
     overrides = [
         f"data.root={data / 'imagenet' / 'train'}",
         f"train.output_dir={run / 'pretrain'}",
-        f"train.epochs={epochs}",
-        "train.seed=0",
-        "train.log_with=none",
+        *_budget(epochs),
     ]
     cfg = load_config(RECIPES / f"{recipe}.yaml", overrides)
-    config_hash = hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest()[:10]
     final = run / "pretrain" / "checkpoint_final.pth"
-    seconds, peak = run_logged(
-        [sys.executable, "-m", "pretrain", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides],
-        run / "pretrain.log",
-    )
+    timing = run / "pretrain_timing.json"
+    if final.is_file() and timing.is_file():  # pretrained before an evaluation was interrupted
+        seconds, peak, load = json.loads(timing.read_text())
+    else:  # (a pretraining interrupted midway resumes: its time is then the resumed part only)
+        seconds, peak = run_logged(
+            [sys.executable, "-m", "pretrain", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides],
+            run / "pretrain.log",
+        )
+        load = os.getloadavg()[1]
+        timing.write_text(json.dumps([seconds, peak, load]))
     rows = [json.loads(line) for line in (run / "pretrain" / "metrics.jsonl").read_text().splitlines()]
     steps = max(r["step"] for r in rows if "loss" in r)
     pretrained = evaluate(final, data, run)
@@ -199,9 +230,20 @@ def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = Fals
         **pretrained,
         "random_knn_top1": random["knn_top1"],
         "random_linear_top1": random["linear_top1"],
-        "config_hash": config_hash,
+        "load_avg_5min": load,
+        "config_hash": config_hash(recipe, epochs),
         "git_sha": _git_sha(),
     }
+
+
+# benchmarks/eqco_k.py writes its table after this line of --out; this module keeps it.
+SECTION_MARK = "<!-- python -m benchmarks.eqco_k writes below this line -->"
+
+
+def kept_section(out: Path) -> str:
+    """The part of ``out`` from SECTION_MARK on ('' if none), so that each tool rewrites only its own."""
+    text = out.read_text() if out.is_file() else ""
+    return text[text.index(SECTION_MARK) :] if SECTION_MARK in text else ""
 
 
 def write_table(rows: dict[str, dict], recipes: list[str], out: Path, args) -> None:
@@ -210,31 +252,34 @@ def write_table(rows: dict[str, dict], recipes: list[str], out: Path, args) -> N
         "",
         f"`python -m benchmarks.learning --epochs {args.epochs}`: each tiny recipe pretrained for "
         f"{args.epochs} epochs on the `small` synthetic ImageNet-like set (1500 training images, 10 shape "
-        f"classes, 64 px), then kNN (k {KNN_K}) and a linear probe ({PROBE_EPOCHS} epochs, lr {PROBE_LR}) at "
+        f"classes, 64 px), then kNN (k {KNN_K}) and a linear probe (BN without affine + fc on "
+        f"{PROBE_LAYER}, {PROBE_EPOCHS} epochs, SGD lr {PROBE_LR} × 0.1 at epochs 2, 5, 8) at "
         "the pretraining size, against the same architecture at random initialization. Machine: "
         f"{platform.machine()}, {os.cpu_count()} CPU cores, one thread per process; wall times of a "
         "shared 2-core VM vary by ±20 %. One seed per row: differences of a few points are within "
-        "seed-to-seed spread. A row beats its init when kNN gains ≥ 5 points.",
+        "seed-to-seed spread. A row beats its init when kNN gains ≥ 5 points. `load`: the machine's 5-minute "
+        "load average when the pretraining ended (other jobs share the cores; min and img/s are slower under load).",
         "",
         "| recipe | method | kNN top-1 | random kNN | gain | probe top-1 | random probe | min | img/s | "
-        "peak MiB | config | git |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak MiB | load | config | git |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for recipe in recipes:
         r = rows.get(recipe)
         if r is None:
-            lines.append(f"| {recipe} | not measured yet | | | | | | | | | | |")
+            lines.append(f"| {recipe} | not measured yet | | | | | | | | | | | |")
             continue
         gain = r["knn_top1"] - r["random_knn_top1"]
         lines.append(
             f"| {recipe} | {r['method']} | {r['knn_top1']:.1f} | {r['random_knn_top1']:.1f} | "
-            f"{gain:+.1f}{'' if gain >= 5 else ' (does not learn)'} | {r['linear_top1']:.1f} | "
+            f"{gain:+.1f}{'' if gain >= 5 else ' (below the 5-point margin)'} | {r['linear_top1']:.1f} | "
             f"{r['random_linear_top1']:.1f} | {r['seconds'] / 60:.1f} | {r['images_per_s']:.0f} | "
-            f"{r['peak_mib']:.0f} | `{r['config_hash']}` | `{r['git_sha']}` |"
+            f"{r['peak_mib']:.0f} | {r.get('load_avg_5min', float('nan')):.1f} | `{r['config_hash']}` | "
+            f"`{r['git_sha']}` |"
         )
     png = out.with_suffix(".png")
     lines += ["", f"![kNN top-1 per recipe]({png.name})", ""]
-    out.write_text("\n".join(lines))
+    out.write_text("\n".join(lines) + kept_section(out))
     _chart(rows, png)
 
 
@@ -289,11 +334,17 @@ def main(argv: list[str] | None = None) -> None:
     rows_dir.mkdir(parents=True, exist_ok=True)
     for recipe in chosen:
         row_file = rows_dir / f"{recipe}.json"
+        stale = False
         if row_file.is_file() and not args.fresh:
-            print(f"{recipe}: measured before ({row_file})")
-            continue
+            measured = json.loads(row_file.read_text()).get("config_hash")
+            current = config_hash(recipe, args.epochs)
+            if measured == current:
+                print(f"{recipe}: measured before ({row_file})")
+                continue
+            stale = True  # the recipe changed since: its run directory would resume the old one
+            print(f"{recipe}: config {current} differs from the measured row's {measured}: measuring again")
         print(f"{recipe}: pretraining {args.epochs} epochs ...", flush=True)
-        row = measure(recipe, args.epochs, data, work, args.fresh)
+        row = measure(recipe, args.epochs, data, work, args.fresh or stale)
         row_file.write_text(json.dumps(row, indent=1))
         print(
             f"{recipe}: kNN {row['knn_top1']:.1f} (random {row['random_knn_top1']:.1f}), probe "

@@ -36,6 +36,7 @@ def test_rows_are_kept_unless_fresh_and_the_table_lists_every_recipe(tmp_path, m
         return _row(recipe, 66.0 if recipe == "tiny_simclr" else 26.0)
 
     monkeypatch.setattr(learning, "measure", fake_measure)
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs: "abc")
     out = tmp_path / "learning.md"
     argv = [
         "--recipes",
@@ -56,7 +57,7 @@ def test_rows_are_kept_unless_fresh_and_the_table_lists_every_recipe(tmp_path, m
     for recipe in learning.tiny_recipes():
         assert f"| {recipe} |" in table
     assert "| tiny_simclr | simclr | 66.0 | 49.7 | +16.3 |" in table
-    assert "-23.7 (does not learn)" in table and "| tiny_simco | not measured yet |" in table
+    assert "-23.7 (below the 5-point margin)" in table and "| tiny_simco | not measured yet |" in table
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
@@ -66,3 +67,35 @@ def test_unknown_recipe_is_one_line(tmp_path):
     (data / "manifest.json").write_text("{}")
     with pytest.raises(SystemExit, match="--recipes tiny_byol: expected tiny recipes"):
         learning.main(["--recipes", "tiny_byol", "--data", str(data), "--work", str(tmp_path)])
+
+
+def test_a_row_whose_recipe_changed_is_measured_again_from_a_clean_run(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    calls = []
+    monkeypatch.setattr(
+        learning, "measure", lambda recipe, epochs, d, w, fresh=False: calls.append(fresh) or _row(recipe, 66.0)
+    )
+    hashes = iter(["abc", "edited"])
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs: next(hashes))
+    argv = [
+        "--recipes",
+        "tiny_simclr",
+        "--data",
+        str(data),
+        "--work",
+        str(tmp_path / "w"),
+        "--out",
+        str(tmp_path / "t.md"),
+    ]
+    learning.main(argv)  # measured (row hash "abc")
+    learning.main(argv)  # current hash "abc": kept
+    learning.main(argv)  # current hash "edited": measured again, fresh
+    assert calls == [False, True]
+
+
+def test_the_config_hash_follows_the_recipe_not_the_paths():
+    a = learning.config_hash("tiny_simclr", 6)
+    assert a == learning.config_hash("tiny_simclr", 6) != learning.config_hash("tiny_simclr", 3)
+    assert a != learning.config_hash("tiny_dcl", 6)
