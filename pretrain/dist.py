@@ -25,8 +25,6 @@ __all__ = [
     "unshuffle_batch",
     "broadcast_",
     "all_ranks_equal",
-    "all_ranks_true",
-    "all_ranks_true_each",
 ]
 
 
@@ -225,18 +223,3 @@ def gather_objects(value) -> list:
     out: list = [None] * world_size()
     dist.all_gather_object(out, value)
     return out
-
-
-def all_ranks_true(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """True iff ``flag`` is True on every rank (a MIN all-reduce); all ranks get the same answer,
-    so they take the same branch afterwards (e.g. all stop on a non-finite loss)."""
-    return all_ranks_true_each([flag], device)[0]
-
-
-def all_ranks_true_each(flags: list[bool], device: torch.device | str = "cpu") -> list[bool]:
-    """:func:`all_ranks_true` for several flags in one all-reduce."""
-    if world_size() == 1:
-        return [bool(f) for f in flags]
-    t = torch.tensor([int(f) for f in flags], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return [bool(v) for v in t.tolist()]

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="small", choices=sorted(SETTINGS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--method", default="mocov2", help="pretraining recipe: configs/pretrain/tiny_<method>.yaml")
-    parser.add_argument("--out", default="outputs/demo")
+    parser.add_argument("--out", "--output-dir", default="outputs/demo", help="output folder (default %(default)s)")
     parser.add_argument("--fresh", action="store_true", help="redo every stage")
     args = parser.parse_args(argv)
 

@@ -20,6 +20,7 @@ import warnings
 from typing import Iterable, Iterator, TypeVar
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError
+from converters.layouts import LAYOUTS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,7 +67,12 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         choices=["query", "key"],
         help="key: the momentum (teacher) encoder of a two-encoder checkpoint",
     )
-    parser.add_argument("--layout", default="auto", help="force a checkpoint layout (see the converters)")
+    parser.add_argument(
+        "--layout",
+        default="auto",
+        choices=["auto", *LAYOUTS],
+        help="force a checkpoint layout (see python -m converters.to_detectron2 --help)",
+    )
 
 
 def add_size_args(parser: argparse.ArgumentParser, resize_help: str, crop_help: str) -> None:

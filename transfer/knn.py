@@ -63,7 +63,7 @@ def parser():
     p.add_argument("--val-dir", required=True, help="ImageFolder of the queries (e.g. imagenet/val)")
     p.add_argument("--k", type=int, default=KNN_K, help="neighbours that vote")
     p.add_argument("--t", type=float, default=KNN_TEMPERATURE, help="temperature of the exp(sim / t) votes")
-    p.add_argument("--output-dir", default="knn_output", help="metrics.json and the feature cache go here")
+    p.add_argument("--output-dir", "--out", default="knn_output", help="metrics.json and the feature cache go here")
     eval_cli.add_size_args(p, "shorter side before the center crop", "center crop side")
     eval_cli.add_loader_args(p, batch_size=64)
     return p

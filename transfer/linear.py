@@ -79,7 +79,7 @@ def parser():
         help="imagenet: train/ and val/ ImageFolders; places205: trainvalsplit_places205/ and data/vision/...",
     )
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    p.add_argument("--output-dir", required=True, help="metrics.json and checkpoint_last.pth go here")
+    p.add_argument("--output-dir", "--out", required=True, help="metrics.json and checkpoint_last.pth go here")
     p.add_argument("--resume", action="store_true", help=f"continue from OUT/{CHECKPOINT}")
     p.add_argument("--epochs", type=int, default=None, help="override the preset's (milestones rescale)")
     p.add_argument("--lr", type=float, default=None, help="override the preset's base lr")

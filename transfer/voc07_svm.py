@@ -447,7 +447,7 @@ def parser() -> argparse.ArgumentParser:
     p = eval_cli.make_parser("python -m transfer.voc07_svm", __doc__)
     eval_cli.add_checkpoint_args(p)
     p.add_argument("--voc-root", required=True, help="VOC2007 folder (ImageSets/Main, JPEGImages)")
-    p.add_argument("--output-dir", required=True, help="metrics.json and the feature cache go here")
+    p.add_argument("--output-dir", "--out", required=True, help="metrics.json and the feature cache go here")
     p.add_argument("--layers", default="res5avg", help=f"comma-separated, from {', '.join(LAYERS)}")
     p.add_argument(
         "--costs",

@@ -520,7 +520,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m contrastive_transfer.synthetic", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--out", required=True, help="output root (becomes DETECTRON2_DATASETS-style root)")
+    parser.add_argument(
+        "--out", "--output-dir", required=True, help="output root (becomes DETECTRON2_DATASETS-style root)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))

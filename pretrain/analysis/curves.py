@@ -124,7 +124,7 @@ def run(run_dir: Path, out_dir: Path | None = None) -> dict[str, Path]:
 
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a pretraining output folder (train.output_dir)")
-    parser.add_argument("--out", type=Path, help="output folder (default RUN_DIR/analysis)")
+    parser.add_argument("--out", "--output-dir", type=Path, help="output folder (default RUN_DIR/analysis)")
 
 
 def cli(args) -> None:

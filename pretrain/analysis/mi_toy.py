@@ -272,6 +272,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default=d.device, help="cpu | cuda (default %(default)s)")
     parser.add_argument(
         "--out",
+        "--output-dir",
         type=Path,
         default=Path("outputs/analysis/mi_toy"),
         help="output folder for mi_toy.{csv,json,png} (default %(default)s)",

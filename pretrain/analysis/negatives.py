@@ -220,7 +220,7 @@ def add_arguments(parser) -> None:
         help="plot a seeded random subset of at most this many negatives (default %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="output folder (default RUN_DIR/analysis)")
+    parser.add_argument("--out", "--output-dir", type=Path, help="output folder (default RUN_DIR/analysis)")
 
 
 def cli(args) -> None:

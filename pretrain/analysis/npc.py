@@ -269,7 +269,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--image-size", type=int, help="crop size (default: the run's data.image_size, else 224)")
     parser.add_argument("--max-images", type=int, help="use a seeded random subset of this many images")
     parser.add_argument("--seed", type=int, default=0, help="augmentation and batch partition seed")
-    parser.add_argument("--out", type=Path, help="output folder (default: CHECKPOINT's folder/analysis)")
+    parser.add_argument(
+        "--out", "--output-dir", type=Path, help="output folder (default: CHECKPOINT's folder/analysis)"
+    )
 
 
 def cli(args) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,3 +103,47 @@ def test_atomic_write_leaves_no_partial_file_and_stale_temporaries_are_removed(t
         f.write_text("")
     assert remove_stale_temporaries(tmp_path) == [dead]
     assert not dead.exists() and ours.exists() and unrelated.exists()
+
+
+# Every command that writes into a folder takes both spellings of the option, as one option.
+OUTPUT_FOLDER_COMMANDS = [
+    ["transfer.knn"],
+    ["transfer.linear"],
+    ["transfer.voc07_svm"],
+    ["contrastive_transfer.synthetic"],
+    ["pretrain.analysis", "curves"],
+    ["pretrain.analysis", "negatives"],
+    ["pretrain.analysis", "npc"],
+    ["pretrain.analysis", "mi-toy"],
+    ["tools.demo"],
+]
+
+
+def test_output_folder_options_take_both_spellings():
+    probe = textwrap.dedent(
+        """
+        import contextlib, io, json, runpy, sys
+        out = {}
+        for argv in json.loads(sys.argv[1]):
+            sys.argv = [argv[0], *argv[1:], "--help"]
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                try:
+                    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+                except SystemExit:
+                    pass
+            out[" ".join(argv)] = " ".join(buf.getvalue().split())
+        print(json.dumps(out))
+        """
+    )
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-c", probe, json.dumps(OUTPUT_FOLDER_COMMANDS)], cwd=repo, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    helps = json.loads(res.stdout.strip().splitlines()[-1])
+    assert sorted(helps) == sorted(" ".join(c) for c in OUTPUT_FOLDER_COMMANDS)
+    # argparse lists the spellings of one option together: "--out OUT, --output-dir OUT" (or reversed)
+    together = re.compile(r"--out [A-Z_]+, --output-dir |--output-dir [A-Z_]+, --out ")
+    for name, text in helps.items():
+        assert together.search(text), f"python -m {name}: --out and --output-dir are not one option:\n{text[:1500]}"
