@@ -89,7 +89,7 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("recipe", sorted(EXPECTED) + ["aug+"])
-def test_recipe_parameters_match_methods_md(recipe):
+def test_recipe_parameters_match_the_papers(recipe):
     views = build_view_transforms(recipe, 224)
     expected = EXPECTED["mocov2" if recipe == "aug+" else recipe]
     assert [describe(t) for t in views] == expected

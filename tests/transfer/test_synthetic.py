@@ -206,19 +206,6 @@ def test_cli_rerun_is_a_noop_and_foreign_data_is_refused(tmp_path):
     assert res.returncode != 0 and "huge" in res.stderr
 
 
-def test_detectron2_builds_faster_rcnn_r50_fpn_on_cpu():
-    from detectron2.config import get_cfg
-    from detectron2.model_zoo import get_config_file
-    from detectron2.modeling import build_model
-
-    cfg = get_cfg()
-    cfg.merge_from_file(get_config_file("COCO-Detection/faster_rcnn_R_50_FPN_1x.yaml"))
-    cfg.MODEL.DEVICE = "cpu"
-    model = build_model(cfg)
-    assert type(model).__name__ == "GeneralizedRCNN"
-    assert sorted(model.backbone.output_shape()) == ["p2", "p3", "p4", "p5", "p6"]
-
-
 def test_class_is_in_the_pixels_a_trained_network_learns_it_a_random_one_does_not(synthetic_root):
     """Issue 2: a ResNet-18 (detectron2-convertible 7×7 stem, 64 px) trained for 60 supervised
     steps separates the ImageNet-like classes in kNN on the val split; its random init does not."""
