@@ -26,7 +26,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.learning import RECIPES, ROOT, SECTION_MARK, config_hash, evaluate, random_baseline, run_logged
+from benchmarks.learning import (
+    RECIPES,
+    SECTION_MARK,
+    config_hash,
+    ensure_small_synthetic,
+    evaluate,
+    random_baseline,
+    run_logged,
+)
 
 HOST = "tiny_mocov2"
 ALPHA = 256  # tiny_mocov2's queue_size
@@ -151,14 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --losses {args.losses}: expected infonce and/or eqco")
     seeds = [int(s) for s in args.seeds.split(",")]
     data, work, out = Path(args.data).resolve(), Path(args.work).resolve() / f"{args.epochs}ep", Path(args.out)
-    if not (data / "manifest.json").is_file():
-        import subprocess
-
-        subprocess.run(
-            [sys.executable, "-m", "transfer.datasets.synthetic", "--out", str(data), "--preset", "small"],
-            cwd=ROOT,
-            check=True,
-        )
+    ensure_small_synthetic(data)
     rows_dir = work / "rows"
     rows_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

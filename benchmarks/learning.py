@@ -34,6 +34,16 @@ RECIPES = ROOT / "configs" / "pretrain"
 KNN_K, PROBE_PRESET, PROBE_LAYER, PROBE_EPOCHS, PROBE_LR = 20, "places205", "res5avg", 10, 0.03
 
 
+def ensure_small_synthetic(data: Path) -> None:
+    """Generate the small synthetic preset at ``data`` unless it is there."""
+    if not (data / "manifest.json").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "contrastive_transfer.synthetic", "--out", str(data), "--preset", "small"],
+            cwd=ROOT,
+            check=True,
+        )
+
+
 def tiny_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES.glob("tiny_*.yaml"))
 
@@ -319,12 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fresh", action="store_true", help="measure the rows again")
     args = parser.parse_args(argv)
     data, work, out = Path(args.data).resolve(), Path(args.work).resolve() / f"{args.epochs}ep", Path(args.out)
-    if not (data / "manifest.json").is_file():
-        subprocess.run(
-            [sys.executable, "-m", "transfer.datasets.synthetic", "--out", str(data), "--preset", "small"],
-            cwd=ROOT,
-            check=True,
-        )
+    ensure_small_synthetic(data)
     every = tiny_recipes()
     chosen = args.recipes.split(",") if args.recipes else every
     unknown = sorted(set(chosen) - set(every))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from benchmarks import eqco_k, learning
 
+from .test_bench_learning import _row
+
 
 def test_grid_rows_resume_and_both_tables_share_the_file(tmp_path, monkeypatch):
     data = tmp_path / "data"
@@ -41,25 +43,9 @@ def test_grid_rows_resume_and_both_tables_share_the_file(tmp_path, monkeypatch):
     assert "| 16 | 41.5 ± 0.7 (n 2: 41.0, 42.0) | 55.5 ± 0.7 (n 2: 55.0, 56.0) | +14.0 |" in text
     assert "| 256 | 56.5 ± 0.7 (n 2: 56.0, 57.0) | 56.5 ± 0.7 (n 2: 56.0, 57.0) | - |" in text
     # The learning table, rewritten, keeps the EqCo section.
-    monkeypatch.setattr(learning, "measure", lambda recipe, *a, **kw: {**_learning_row(recipe)})
+    monkeypatch.setattr(learning, "measure", lambda recipe, *a, **kw: _row(recipe, 66.0))
     monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs: "abc")
     learning.main(["--recipes", "tiny_simclr", "--data", str(data), "--work", str(tmp_path / "l"), "--out", str(out)])
     text = out.read_text()
     assert text.startswith("# Every method learns") and "| 16 | 41.5 ± 0.7" in text
     assert text.count(learning.SECTION_MARK) == 1
-
-
-def _learning_row(recipe):
-    return {
-        "recipe": recipe,
-        "method": "simclr",
-        "knn_top1": 66.0,
-        "random_knn_top1": 49.7,
-        "linear_top1": 60.0,
-        "random_linear_top1": 30.0,
-        "seconds": 180.0,
-        "images_per_s": 50.0,
-        "peak_mib": 900.0,
-        "config_hash": "abc",
-        "git_sha": "def",
-    }
