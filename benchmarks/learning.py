@@ -186,16 +186,16 @@ def _budget(epochs: int, seed: int = 0) -> list[str]:
 
 
 def config_hash(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] = ()) -> str:
-    """Hash of the resolved recipe at this budget, without the machine's paths (data root, output
-    dir): a row measured in one checkout stays valid in another, and goes stale when the recipe does."""
+    """Hash of the resolved recipe at this budget, keys sorted, without the machine's paths (data
+    root, output dir) and without the kNN monitor's settings (it reads the backbone, it does not train
+    it): a row measured in one checkout stays valid in another, and goes stale when what trains does."""
     from omegaconf import OmegaConf
 
     from pretrain.config import load_config
 
-    cfg = load_config(RECIPES / f"{recipe}.yaml", [*_budget(epochs, seed), *extra])
-    for key in ("data.root", "train.output_dir"):
-        OmegaConf.update(cfg, key, None)
-    return hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest()[:10]
+    cfg = OmegaConf.to_container(load_config(RECIPES / f"{recipe}.yaml", [*_budget(epochs, seed), *extra]))
+    cfg["data"].pop("root"), cfg["train"].pop("output_dir"), cfg.pop("knn")
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = False) -> dict:

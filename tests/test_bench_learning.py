@@ -99,3 +99,6 @@ def test_the_config_hash_follows_the_recipe_not_the_paths():
     a = learning.config_hash("tiny_simclr", 6)
     assert a == learning.config_hash("tiny_simclr", 6) != learning.config_hash("tiny_simclr", 3)
     assert a != learning.config_hash("tiny_dcl", 6)
+    elsewhere = ("data.root=/elsewhere", "train.output_dir=/tmp/x", "knn.temperature=0.2", "knn.k=5")
+    assert a == learning.config_hash("tiny_simclr", 6, extra=elsewhere)  # paths and the monitor's settings
+    assert a != learning.config_hash("tiny_simclr", 6, extra=("method.temperature=0.3",))  # what trains
