@@ -5,7 +5,8 @@
     python -m benchmarks.svm --export-cache OUT/features --voc-root VOC [--layer res5avg] --features FILE.npz
     python -m transfer.bench_svm ...                                  (the same command)
 
-Runs, each with 1 process and with 2 (``--jobs``), on the same L2-normalised features:
+Runs, each on 1 core and on 2 (``--jobs``: processes for the loops and liblinear, torch threads
+for newton), on the same L2-normalised features:
 
 * **fair**: the FAIR tools' loop (fair_self_supervision_benchmark ``train_svm_kfold``): per class,
   per cost, ``cross_val_score`` of ``LinearSVC`` on the dense array, then a refit on all of
@@ -15,7 +16,7 @@ Runs, each with 1 process and with 2 (``--jobs``), on the same L2-normalised fea
 * **newton**: ``run_svms(solver="newton")`` (``transfer.svm_solver``, every SVM at its optimum).
 
 Printed per run: wall and CPU seconds (CPU summed over the worker processes), mAP, speed-ups over
-both references at the same process count; then the primal objectives of newton against
+both references on the same number of cores; then the primal objectives of newton against
 liblinear for every (class, cost, fold) (the largest relative excess of ours), and the classes
 whose test AP differs, with both chosen costs and objectives. ``--markdown`` prints the table rows
 of ``benchmarks/svm.md``. ``--ref-classes`` runs the (slow) references on the first N classes only;
@@ -175,7 +176,7 @@ def export_cache(cache_dir: str, voc_root: str, layer: str, out: str) -> None:
 def _jobs(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"--jobs {text!r}: expected process counts like 1,2")
+        raise argparse.ArgumentTypeError(f"--jobs {text!r}: expected core counts like 1,2")
     return values
 
 
@@ -188,13 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--features", default=None, help=".npz with train_x, train_labels, test_x, test_labels")
     parser.add_argument("--classes", type=int, default=20, help="evaluate the first N classes")
     parser.add_argument("--costs", default=",".join(str(c) for c in DEFAULT_COSTS))
-    parser.add_argument("--jobs", type=_jobs, default=[1, 2], help="process counts to compare (default 1,2)")
+    parser.add_argument("--jobs", type=_jobs, default=[1, 2], help="core counts to compare (default 1,2)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
     parser.add_argument("--markdown", action="store_true", help="also print the table rows of benchmarks/svm.md")
     parser.add_argument("--export-cache", default=None, help="voc07_svm feature cache (OUT/features) → --features")
     parser.add_argument("--voc-root", default=None, help="with --export-cache: the VOC2007 folder (labels)")
     parser.add_argument("--layer", default="res5avg", help="with --export-cache: the layer")
     args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as transfer.voc07_svm's main (before torch loads)
     if args.export_cache:
         if not (args.voc_root and args.features):
             raise SystemExit("error: --export-cache needs --voc-root and --features (the .npz to write)")
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
             aps = out if run in ("fair", "plain") else out.test_ap
             results[run, jobs] = out
             rows[run, jobs] = (wall, cpu, 100 * float(np.mean(aps)))
-            print(f"{run:>9s}, {jobs} process(es): {wall:8.1f} s wall {cpu:8.1f} s CPU   mAP {rows[run, jobs][2]:.4f}")
+            print(f"{run:>9s}, {jobs} core(s): {wall:8.1f} s wall {cpu:8.1f} s CPU   mAP {rows[run, jobs][2]:.4f}")
             print(_speedups(rows, run, jobs), flush=True)
     _objectives(results, args.jobs[0], costs)
     if args.markdown:
@@ -276,7 +278,7 @@ def _objectives(results, jobs, costs) -> None:
 
 
 def _markdown(rows, k, n_costs, source) -> None:
-    print(f"\n| run ({k} classes × {n_costs} costs) | processes | wall | CPU | mAP | vs fair | vs plain |")
+    print(f"\n| run ({k} classes × {n_costs} costs) | cores | wall | CPU | mAP | vs fair | vs plain |")
     print("|---|---|---|---|---|---|---|")
     for (run, jobs), (wall, cpu, m) in rows.items():
         ratios = [f"{rows[ref, jobs][0] / wall:.2f}×" if (ref, jobs) in rows else "—" for ref in ("fair", "plain")]
