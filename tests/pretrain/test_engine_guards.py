@@ -166,5 +166,6 @@ def test_knn_monitor_logs_the_weighted_knn_of_the_backbone(accelerator, syntheti
         for j in top:
             votes[bank_labels[j]] += torch.exp(sims[j] / t)
         correct += int(votes.argmax() == y)
-    assert logged[0] == pytest.approx(100.0 * correct / len(labels), abs=1e-6)
+    # The monitor's percentage is an fp32 division (30.000001 for 12 of 40); one image is 100/len(labels) points.
+    assert logged[0] == pytest.approx(100.0 * correct / len(labels), abs=1e-4)
     assert torch.allclose(bank.norm(dim=1), torch.ones(len(bank)), atol=1e-5)
