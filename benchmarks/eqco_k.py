@@ -29,6 +29,7 @@ from pathlib import Path
 from benchmarks.learning import (
     RECIPES,
     SECTION_MARK,
+    _budget,
     config_hash,
     ensure_small_synthetic,
     evaluate,
@@ -65,9 +66,7 @@ def measure(loss: str, k: int, seed: int, epochs: int, data: Path, work: Path) -
     args = [
         f"data.root={data / 'imagenet' / 'train'}",
         f"train.output_dir={run / 'pretrain'}",
-        f"train.epochs={epochs}",
-        f"train.seed={seed}",
-        "train.log_with=none",
+        *_budget(epochs, seed),
         *extra,
     ]
     cfg = load_config(RECIPES / f"{HOST}.yaml", args)

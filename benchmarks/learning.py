@@ -194,7 +194,7 @@ def config_hash(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] 
     from pretrain.config import load_config
 
     cfg = OmegaConf.to_container(load_config(RECIPES / f"{recipe}.yaml", [*_budget(epochs, seed), *extra]))
-    cfg["data"].pop("root"), cfg["train"].pop("output_dir"), cfg.pop("knn")
+    del cfg["data"]["root"], cfg["train"]["output_dir"], cfg["knn"]
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
 
 

@@ -9,6 +9,7 @@ import scipy.optimize
 import torch
 
 from tests.transfer.test_voc07_svm import random_problem
+from transfer import voc07_svm
 from transfer.svm_solver import Basis, objective, solve, with_bias
 from transfer.voc07_svm import (
     cv_folds,
@@ -131,7 +132,7 @@ def brute_force_protocol(xtr, ltr, xte, lte, costs) -> float:
 
 
 @pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
-def test_map_equals_the_brute_force_protocol_and_the_liblinear_path():
+def test_map_equals_the_brute_force_protocol_and_the_liblinear_path(monkeypatch):
     xtr, ltr, xte, lte = random_problem(0)
     costs = [0.01, 0.1, 1.0, 10.0]  # liblinear reaches tol 1e-4 on all of them here
     names = [f"c{i}" for i in range(4)]
@@ -143,7 +144,13 @@ def test_map_equals_the_brute_force_protocol_and_the_liblinear_path():
     assert np.all(ours.refit_objective <= lib.refit_objective * (1 + 1e-8)) or list(ours.chosen_cost) != list(
         lib.chosen_cost
     )
-    two = run_svms(xtr, ltr, xte, lte, names, costs, jobs=2)  # class groups in 2 processes: same numbers
+    # jobs=2: the same solve on 2 torch threads (the caller's thread count restored afterwards).
+    threads_seen, solve_classes, before = [], voc07_svm.newton_classes, torch.get_num_threads()
+    monkeypatch.setattr(
+        voc07_svm, "newton_classes", lambda *a: threads_seen.append(torch.get_num_threads()) or solve_classes(*a)
+    )
+    two = run_svms(xtr, ltr, xte, lte, names, costs, jobs=2)
+    assert threads_seen == [2] and torch.get_num_threads() == before
     np.testing.assert_array_equal(two.test_ap, ours.test_ap)
 
 
