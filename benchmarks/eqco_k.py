@@ -1,7 +1,7 @@
 """EqCo's claim in miniature: tiny MoCo v2 (configs/pretrain/tiny_mocov2.yaml, 256-key queue) with
 plain InfoNCE vs EqCo at K negatives per query, same data and budget, kNN top-1 of the backbone.
 
-    python -m benchmarks.eqco_k [--ks 16,64,256] [--losses infonce,eqco] [--seeds 0,1] [--epochs 3]
+    python -m benchmarks.eqco_k [--ks 16,64,256] [--losses infonce,eqco] [--seeds 0,1] [--epochs 6]
 
 The paper (Zhu et al., EqCo) reports that MoCo v2 with EqCo's margin τ·log(α/K) keeps its accuracy
 as K shrinks (α = the queue length, 65536 on ImageNet) while plain InfoNCE degrades. Here α = 256, the
@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.learning import (
+    EPOCHS,
     RECIPES,
     SECTION_MARK,
     _budget,
@@ -104,13 +105,14 @@ def write_section(rows: list[dict], args, out: Path) -> None:
     head = head[: head.index(SECTION_MARK)] if SECTION_MARK in head else head
     randoms = sorted({r["random_knn_top1"] for r in rows})
     seeds = ", ".join(str(s) for s in sorted({r["seed"] for r in rows})) or "none yet"
+    budget = "the budget of the table above" if args.epochs == EPOCHS else f"the table above: {EPOCHS}"
     lines = [
         SECTION_MARK,
         "",
         "## EqCo's claim in miniature: InfoNCE vs EqCo as K shrinks",
         "",
         f"`python -m benchmarks.eqco_k --epochs {args.epochs}`: {HOST} (256-key queue, same data, seeds "
-        f"{seeds}) pretrained {args.epochs} epochs (half the budget of the table above) with K "
+        f"{seeds}) pretrained {args.epochs} epochs ({budget}) with K "
         f"negatives per query drawn from the queue, plain InfoNCE vs EqCo (margin τ·log(α/K), α = {ALPHA}); "
         "kNN top-1 (k 20) of the backbone on the small preset, mean ± sample std over seeds with the "
         f"per-seed values. Random init kNN: {', '.join(f'{v:.1f}' for v in randoms) or 'not measured'}. "
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ks", default="16,64,256", help=f"negatives per query, each ≤ {ALPHA}")
     parser.add_argument("--losses", default="infonce,eqco")
     parser.add_argument("--seeds", default="0")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--data", default="datasets/synthetic", help="synthetic data root (generated if missing)")
     parser.add_argument("--work", default="outputs/bench_eqco_k")
     parser.add_argument("--out", default="benchmarks/learning.md")

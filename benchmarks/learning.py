@@ -32,6 +32,7 @@ RECIPES = ROOT / "configs" / "pretrain"
 # moco preset) lr 30 diverges on these backbones and so did lr 0.3 on tiny_simclr's, whose features
 # are larger than a random init's. lr 0.1 raised the training loss in its first epochs; 0.03 did not.
 KNN_K, PROBE_PRESET, PROBE_LAYER, PROBE_EPOCHS, PROBE_LR = 20, "places205", "res5avg", 10, 0.03
+EPOCHS = 6  # pretraining budget of a row: the same images seen by every recipe
 
 
 def ensure_small_synthetic(data: Path) -> None:
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--recipes", default=None, help="comma-separated tiny recipes (default: all)")
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--data", default="datasets/synthetic", help="synthetic data root (generated if missing)")
     parser.add_argument("--work", default="outputs/bench_learning", help="runs and measured rows")
     parser.add_argument("--out", default="benchmarks/learning.md")

@@ -162,7 +162,7 @@ def read_training_state(path: Path) -> dict:
         raise ResumeError(f"cannot read checkpoint {path} ({first})") from None
     if not isinstance(state, dict) or not TRAINING_STATE_KEYS <= state.keys():
         raise ResumeError(
-            f"{path} is not a training checkpoint (expected the keys method, optimizer, step; "
+            f"{path} is not a training checkpoint (expected the keys {', '.join(sorted(TRAINING_STATE_KEYS))}; "
             "checkpoint_final.pth cannot be resumed, use checkpoint_last.pth)"
         )
     return state

@@ -1,6 +1,6 @@
 """Synthetic datasets in the real on-disk layouts, deterministic for a seed.
 
-    python -m contrastive_transfer.synthetic --out DIR [--seed S] [--preset tiny|small]
+    python -m contrastive_transfer.synthetic --out DIR [--seed S] [--preset tiny|small|voc07]
     python -m transfer.datasets.synthetic ...              (the same command, its older name)
 
 writes, under DIR:
@@ -202,6 +202,9 @@ class Preset:
 PRESETS = {
     "tiny": Preset((40, 10), (64, 96), 40, 40, 24, 32, 16, (128, 176), (96, 144), (6, 3), 64),
     "small": Preset((150, 30), (80, 128), 400, 400, 300, 500, 200, (160, 224), (128, 192), (60, 20), 96),
+    # small, with VOC2007 at the real split sizes (5011 trainval / 4952 test): the VOC07 SVM
+    # benchmark's features at the protocol's scale
+    "voc07": Preset((150, 30), (80, 128), 5011, 4952, 300, 500, 200, (160, 224), (128, 192), (60, 20), 96),
 }
 
 
