@@ -30,7 +30,7 @@ import shutil
 import sys
 import xml.etree.ElementTree as ET
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -202,10 +202,9 @@ class Preset:
 PRESETS = {
     "tiny": Preset((40, 10), (64, 96), 40, 40, 24, 32, 16, (128, 176), (96, 144), (6, 3), 64),
     "small": Preset((150, 30), (80, 128), 400, 400, 300, 500, 200, (160, 224), (128, 192), (60, 20), 96),
-    # small, with VOC2007 at the real split sizes (5011 trainval / 4952 test): the VOC07 SVM
-    # benchmark's features at the protocol's scale
-    "voc07": Preset((150, 30), (80, 128), 5011, 4952, 300, 500, 200, (160, 224), (128, 192), (60, 20), 96),
 }
+# small, with VOC2007 at the real split sizes: the VOC07 SVM benchmark's features at the protocol's scale
+PRESETS["voc07"] = replace(PRESETS["small"], voc07_trainval=5011, voc07_test=4952)
 
 
 # ----------------------------------------------------------------------------------- rendering
