@@ -6,7 +6,7 @@
   method's own head: each rank its half of the batch, gradients averaged as DDP does, plain SGD
   for a few steps. The loss of every step, the gradients of step 0, the parameters after the
   last step and the method's state (queue, bank) equal one process on the concatenated batch
-  within fp32 rounding, and the state is identical on both ranks. BN as in the engine: global
+  within float64 rounding, and the state is identical on both ranks. BN as in the engine: global
   statistics for the SyncBN methods (the CPU converter); per-process statistics for MoCo and
   AdCo, whose reference runs each of the W slices of its batch through BN separately, so that
   shuffle BN is part of the comparison. Each case also runs a control, a known way to get it
@@ -282,9 +282,14 @@ SIZE_TINY = 6
 FEATURES = 8
 STEPS = 3
 LR = 0.1  # plain SGD: the parameters move enough for a wrong gradient to show
-# fp32 rounding of different reduction orders (global BN from sums, per-rank losses), amplified
-# over STEPS steps: measured ≤ 2e-5 of each group's scale; the controls are off by ≥ 0.2.
-CASE_RTOL = 1e-4
+# The cases run in float64, so that a difference tells a real one from rounding. Two processes sum
+# in another order than one (global BN from sums, per-rank losses); STEPS steps amplify that
+# rounding by up to ~700 ε here (AdCo's bank ascent, lr 3 and τ 0.02, and SimCo). In fp32 that is
+# 9e-5 of the bank's scale on an AMD EPYC and 1.5e-3 to 2.3e-3 (~2e4 ε) on an Intel Xeon: noise that
+# passes for a bug. In float64 every case agrees to ≤ 1.5e-13 on the AMD EPYC (ε = 2.2e-16); 1e-10
+# (4.5e5 ε) leaves room for 20× the Xeon's amplification, while the controls are off by ≥ 1e-3.
+CASE_DTYPE = torch.float64
+CASE_RTOL = 1e-10
 
 
 def _tiny_build_encoder(arch, stem, head, dim, hidden_dim=None, bn_splits=1, out_bn=False) -> Encoder:
@@ -409,12 +414,12 @@ def _build(case: Case, num_processes: int, extra: tuple[str, ...] = ()) -> nn.Mo
         convert_sync_batchnorm(method, torch.device("cpu"))  # as the engine: global BN statistics
     if not method.sync_bn and num_processes == 1:
         _per_process_bn(method)
-    return method
+    return method.to(CASE_DTYPE)
 
 
 def _case_views(case: Case, step: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(10 + step)
-    return [torch.randn(B, 3, s, s, generator=g) for s in case.view_sizes]
+    return [torch.randn(B, 3, s, s, generator=g, dtype=CASE_DTYPE) for s in case.view_sizes]
 
 
 def _run(case: Case, rank: int | None, control: str | None = None) -> dict:
@@ -593,7 +598,10 @@ def test_method_two_processes_equal_one_process(two_process_results, name):
 
     assert all(got["state_equal"].values()), f"state differs between the ranks: {got['state_equal']}"
     bad = {k: e for k, e in _differences(got["run"], reference).items() if not e <= CASE_RTOL}
-    assert not bad, f"{len(bad)} quantities differ from the 1-process run: {bad}"
+    assert not bad, (
+        f"{len(bad)} quantities differ from the 1-process run in float64, beyond rounding "
+        f"({CASE_RTOL:g} of their scale): a real difference, not float noise: {bad}"
+    )
     for control, result in got["controls"].items():
         worst = max(_differences(result, reference).values())
         assert worst > 1e-3, f"control {control!r} matches the reference ({worst:.2g}): the comparison cannot fail"
