@@ -8,7 +8,7 @@ PRESET ?= small
 SEED ?= 0
 METHOD ?= mocov2
 
-.PHONY: setup demo test test-fast lint clean-data
+.PHONY: setup demo test test-fast test-capabilities lint clean-data
 
 setup: $(STAMP)
 
@@ -29,6 +29,15 @@ test: setup
 # The suite without the tests marked `slow` (brief pretraining, detection training, the demo).
 test-fast: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow"
+
+# The fast suite with PyTorch's other CPU kernels (ATEN_CPU_CAPABILITY): what another x86 CPU would
+# run. CI runs CAPABILITIES=default after `make test`; `make test-capabilities` alone runs all three.
+CAPABILITIES ?= default avx2 avx512
+test-capabilities: setup
+	@for c in $(CAPABILITIES); do \
+	  echo "==> ATEN_CPU_CAPABILITY=$$c"; \
+	  ATEN_CPU_CAPABILITY=$$c OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow" -q || exit 1; \
+	done
 
 # ruff (lint, import order, format) on the whole tree, mypy on the converters, the losses and the CLI helpers.
 lint: setup

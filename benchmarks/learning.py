@@ -27,11 +27,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "configs" / "pretrain"
-# The probe: BatchNorm (no affine) + fc on res5avg (the places205 preset's head, MoCo's feature), SGD
-# nesterov, lr × 0.1 at epochs 2, 5, 8 of 10. The BN makes one lr fit every backbone: without it (the
-# moco preset) lr 30 diverges on these backbones and so did lr 0.3 on tiny_simclr's, whose features
-# are larger than a random init's. lr 0.1 raised the training loss in its first epochs; 0.03 did not.
-KNN_K, PROBE_PRESET, PROBE_LAYER, PROBE_EPOCHS, PROBE_LR = 20, "places205", "res5avg", 10, 0.03
+# The probe: the bn preset (BatchNorm without affine + fc on res5avg, 10 epochs; transfer/linear.py).
+# The BN makes one lr fit every backbone: without it (the moco preset) lr 30 diverges on these
+# backbones and so did lr 0.3 on tiny_simclr's, whose features are larger than a random init's.
+KNN_K, PROBE_PRESET = 20, "bn"
 EPOCHS = 6  # pretraining budget of a row: the same images seen by every recipe
 
 
@@ -131,14 +130,6 @@ def evaluate(weights: Path, data: Path, out: Path, probe: bool = True) -> dict[s
                 str(imagenet),
                 "--preset",
                 PROBE_PRESET,
-                "--layer",
-                PROBE_LAYER,
-                "--epochs",
-                str(PROBE_EPOCHS),
-                "--lr",
-                str(PROBE_LR),
-                "--batch-size",
-                "64",
                 "--crop",
                 "auto",
                 "--workers",
@@ -263,8 +254,8 @@ def write_table(rows: dict[str, dict], recipes: list[str], out: Path, args) -> N
         "",
         f"`python -m benchmarks.learning --epochs {args.epochs}`: each tiny recipe pretrained for "
         f"{args.epochs} epochs on the `small` synthetic ImageNet-like set (1500 training images, 10 shape "
-        f"classes, 64 px), then kNN (k {KNN_K}) and a linear probe (BN without affine + fc on "
-        f"{PROBE_LAYER}, {PROBE_EPOCHS} epochs, SGD lr {PROBE_LR} × 0.1 at epochs 2, 5, 8) at "
+        f"classes, 64 px), then kNN (k {KNN_K}) and the `{PROBE_PRESET}` linear probe (BN without affine + fc "
+        "on res5avg, 10 epochs, SGD lr 0.03 × 0.1 at epochs 2, 5, 8) at "
         "the pretraining size, against the same architecture at random initialization. Machine: "
         f"{platform.machine()}, {os.cpu_count()} CPU cores, one thread per process; wall times of a "
         "shared 2-core VM vary by ±20 %. One seed per row: differences of a few points are within "

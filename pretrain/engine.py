@@ -209,6 +209,7 @@ def _train(cfg, accelerator: Accelerator) -> Path:
     device = accelerator.device
     colour_on_device = device.type == "cuda" if cfg.data.colour_on_device is None else cfg.data.colour_on_device
     dataset = ImageDataset(cfg.data.root, views, seed=cfg.train.seed, colour_on_device=colour_on_device)
+    method.check_classes(dataset.classes, cfg.data.root)
     loader = build_loader(
         dataset,
         n_local,
@@ -267,10 +268,11 @@ def _train(cfg, accelerator: Accelerator) -> Path:
         set_loader_epoch(loader, epoch, start_batch)
         t0 = time.perf_counter()
 
-        def to_device(batch):  # (views, labels, bad paths) -> (views on the device, bad paths)
-            return finish_views(batch[0], dataset.views, device, speed.memory_format), batch[2]
+        def to_device(batch):  # (views, labels, bad paths) -> (views and labels on the device, bad paths)
+            images = finish_views(batch[0], dataset.views, device, speed.memory_format)
+            return images, batch[1].to(device, non_blocking=True), batch[2]
 
-        for images, bad in prefetch(loader, to_device):
+        for images, labels, bad in prefetch(loader, to_device):
             t_data = time.perf_counter() - t0
             bad_images.update(bad, n_local)
             lr = lr_at(cfg, step, steps_per_epoch)
@@ -279,7 +281,7 @@ def _train(cfg, accelerator: Accelerator) -> Path:
             diagnose = (step + 1) % cfg.train.diagnostics_every == 0
             method.watch_grad = diagnose
 
-            output = model(images)
+            output = model(images, labels) if method.needs_labels else model(images)
             loss = output["loss"]
             # Both stop conditions in one reduction that travels during the backward; read just
             # before the step, so the step never applies a non-finite update and all ranks stop together.

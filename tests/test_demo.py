@@ -1,22 +1,71 @@
-"""The demo pipeline end to end at the tiny preset (a smoke run of every stage, not the full demo):
-every stage's result exists, the report's table holds exactly the figures of the stages'
-metrics.json files, and a second run only rebuilds the report."""
+"""The demo: its stage loop (a failed stage stops only the stages that need it) and the pipeline end
+to end at the tiny preset (a smoke run of every stage, not the full demo): every stage's result
+exists, the report's table holds exactly the figures of the stages' metrics.json files, a second
+run only rebuilds the report, and a stage made to fail leaves the report written, the other stages
+run and the exit status non-zero with the stage named."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 DEMO = Path(__file__).resolve().parents[1] / "tools" / "demo.py"
 
 
+def _demo_module():
+    spec = importlib.util.spec_from_file_location("demo", DEMO)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["demo"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_failed_stage_stops_only_the_stages_that_need_it(tmp_path):
+    demo = _demo_module()
+
+    def write(name):
+        return [sys.executable, "-c", f"open({str(tmp_path / name)!r}, 'w').write('ok')"]
+
+    def broken():
+        raise ValueError("bad input, some.file")
+
+    stages = [
+        demo.Stage("a", tmp_path / "a", write("a")),
+        demo.Stage("b", tmp_path / "b", [sys.executable, "-c", "print('first'); print('why it failed'); exit(3)"]),
+        demo.Stage("c", tmp_path / "c", write("c"), needs=("b",)),  # needs the failed stage: not run
+        demo.Stage("d", tmp_path / "d", write("d"), needs=("a",)),  # runs after the failure
+        demo.Stage("e", tmp_path / "e", broken),
+        demo.Stage("f", tmp_path / "f", [sys.executable, "-c", "pass"]),  # exit 0 without its result
+        demo.Stage("g", tmp_path / "g", write("g"), needs=("c",)),  # needs a stage that did not run
+    ]
+    outcome = demo.run_stages(stages, tmp_path / "logs", env={})
+    assert list(outcome.failed) == ["b", "c", "e", "f", "g"]
+    assert outcome.failed["b"].startswith("exit 3; last line: why it failed (log: ")
+    assert outcome.failed["c"] == "not run: needs b" and outcome.failed["g"] == "not run: needs c"
+    assert outcome.failed["e"].startswith("ValueError: bad input, some.file")
+    assert outcome.failed["f"].startswith(f"finished without writing {tmp_path / 'f'}")
+    assert (tmp_path / "a").is_file() and (tmp_path / "d").is_file() and not (tmp_path / "c").exists()
+    assert all("\n" not in line for line in outcome.failed.values())
+    again = demo.run_stages(stages[:1], tmp_path / "logs", env={})  # a stage whose result exists is skipped
+    assert not again.failed and "a" not in again.seconds
+
+
+def _table(report: str) -> dict[str, tuple[str, str]]:
+    return {
+        m.group(1): (m.group(2), m.group(3))
+        for m in re.finditer(r"^\| (.+?) \| ([^|]+?) \| ([^|]+?) \| [^|]+ \| [^|]+ \|$", report, re.M)
+        if m.group(1) != "metric"
+    }
+
+
+@pytest.mark.slow
 def test_demo_pipeline_at_the_tiny_preset(synthetic_root, tmp_path):
     out = tmp_path / "demo"
     cmd = [sys.executable, str(DEMO), "--data", str(synthetic_root), "--preset", "tiny", "--out", str(out)]
@@ -31,18 +80,40 @@ def test_demo_pipeline_at_the_tiny_preset(synthetic_root, tmp_path):
         assert (out / "plots" / png).stat().st_size > 10_000, png
 
     report = (out / "report.md").read_text()
-    table = {
-        m.group(1): (float(m.group(2)), float(m.group(3)))
-        for m in re.finditer(r"^\| (.+?) \| ([-\d.]+) \| ([-\d.]+) \| [-+\d.]+ \|$", report, re.M)
-    }
+    table = _table(report)
     knn = [json.loads((out / b / "knn" / "metrics.json").read_text())["top1"] for b in ("pretrained", "random")]
     svm = [
         json.loads((out / b / "voc07_svm" / "metrics.json").read_text())["layers"]["res5avg"]["mAP"]
         for b in ("pretrained", "random")
     ]
-    assert table["kNN top-1 (synthetic ImageNet val, %)"] == tuple(round(v, 2) for v in knn)
-    assert table["VOC07 SVM mAP (res5avg, %)"] == tuple(round(v, 2) for v in svm)
-    assert len(table) == 5 and "![curves](plots/curves.png)" in report
+    det = [json.loads((out / b / "detection" / "metrics.json").read_text()) for b in ("pretrained", "random")]
+    assert table["kNN top-1 (%)"] == tuple(f"{v:.2f}" for v in knn)
+    assert table["VOC07 SVM mAP (%)"] == tuple(f"{v:.2f}" for v in svm)
+    ap50 = [
+        (next(iter(d["mean"].values()))["bbox"]["AP50"], next(iter(d["std"].values()))["bbox"]["AP50"]) for d in det
+    ]
+    assert table["FPN AP50 on VOC07 test"] == tuple(f"{m:.2f} ± {s:.2f}" for m, s in ap50)
+    assert len(det[0]["seeds"]) == 2 and "mean ± std of 2 fine-tune seeds" in report
+    assert len(table) == 5 and "![curves](plots/curves.png)" in report and "Failed stages" not in report
 
     again = subprocess.run(cmd, capture_output=True, text=True)
-    assert again.returncode == 0 and again.stdout.count("already done") == 13, again.stdout[-2000:]
+    assert again.returncode == 0 and again.stdout.count("already done") == 14, again.stdout[-2000:]
+
+    # A stage made to fail: the VOC07 test split is missing from a copy of the data. The random
+    # backbone's SVM fails; its linear probe (removed, so it runs again) still runs after it.
+    data = tmp_path / "data"
+    shutil.copytree(synthetic_root, data)
+    (data / "VOC2007" / "ImageSets" / "Main" / "test.txt").unlink()
+    for stage in ("voc07_svm", "linear"):
+        shutil.rmtree(out / "random" / stage)
+    res = subprocess.run([*cmd[:3], str(data), *cmd[4:]], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == "error: 1 stage(s) failed: random-voc07-svm"
+    assert (out / "random" / "linear" / "metrics.json").is_file()
+    report = (out / "report.md").read_text()
+    assert _table(report)["VOC07 SVM mAP (%)"] == (f"{svm[0]:.2f}", "—")
+    assert re.search(
+        r"^- `random-voc07-svm`: exit [1-9]\d*; last line: .*test\.txt.* \(log: .*random-voc07-svm\.log\)$",
+        report,
+        re.M,
+    )

@@ -5,14 +5,16 @@
 1. synthetic datasets in the real layouts (skipped when already there);
 2. pretraining with ``accelerate launch -m pretrain`` on the tiny recipe of ``--method``;
 3. a random-init backbone of the same architecture, the baseline of every row;
-4. for both backbones: weighted kNN, VOC07 linear SVM, an ImageNet-style linear probe, and a short
-   FPN fine-tune on the synthetic VOC from the detectron2 conversion of the backbone;
-5. ``OUT/report.md`` with the results table and the plots (training curves, pretrained vs random).
+4. for both backbones: weighted kNN, VOC07 linear SVM, the ``bn`` linear probe, and FPN
+   fine-tunes on the synthetic VOC (several seeds) from the detectron2 conversion of the backbone;
+5. ``OUT/report.md`` with the results table (spread and budget beside each figure) and the plots.
 
-Every stage is one of the project's commands run as a child process (the same commands the README
-gives for real data); its output goes to ``OUT/logs/<stage>.log``. A stage whose result file
-exists is not run again, so a second ``make demo`` only rebuilds the report (``--fresh`` redoes
-everything).
+The stages are a table (``plan``) run by one loop (``run_stages``). Every stage is one of the
+project's commands run as a child process (the same commands the README gives for real data); its
+output goes to ``OUT/logs/<stage>.log``. A stage whose result file exists is not run again, so a
+second ``make demo`` only rebuilds the report (``--fresh`` redoes everything). A failed stage does
+not stop the others: the stages that need its result are not run, every other one is, the report
+is written with the failure in it, and the demo exits with status 1 naming the failed stages.
 """
 
 from __future__ import annotations
@@ -24,49 +26,107 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-
-from tqdm import tqdm
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+BACKBONES = ("pretrained", "random")
+# What the detection rows can and cannot say at the demo's budget (benchmarks/transfer.md has the
+# AP-against-iterations curves of both backbones that this rests on).
+DETECTION_NOTE = "Detection: {iters} iterations."
+DETECTION_CONFIG = ROOT / "configs" / "detection" / "tiny_voc0712_R_18_FPN_syncbn.yaml"
 
-# Per preset: what the transfer stages use (the synthetic images are 64-224 px, so the protocols
-# run at reduced sizes; the preprocessing is recorded in each metrics.json).
-SETTINGS = {
+
+@dataclass(frozen=True)
+class Budget:
+    """What one demo preset spends (the synthetic images are 64-224 px, so the protocols run at
+    reduced sizes; the preprocessing is recorded in each metrics.json)."""
+
+    pretrain_epochs: int
+    probe_epochs: int
+    detection_iters: int
+    detection_seeds: int
+    svm: tuple[str, ...] = ()
+
+
+BUDGETS = {
     # Six pretraining epochs: tiny MoCo v2's kNN first drops below its init's and climbs back past
     # it during epoch 3 (configs/pretrain/tiny_mocov2.yaml); tiny SimCLR is below it after 2.
-    "small": {"pretrain": ["train.epochs=6"], "probe_epochs": 10, "detection_iters": 200, "svm": []},
+    "small": Budget(pretrain_epochs=6, probe_epochs=10, detection_iters=200, detection_seeds=2),
     # A smoke run of every stage (the test suite's): one pretraining epoch, three SVM costs.
-    "tiny": {"pretrain": ["train.epochs=1"], "probe_epochs": 2, "detection_iters": 20, "svm": ["--costs", "0.1,1,10"]},
+    "tiny": Budget(1, 2, 20, 2, svm=("--costs", "0.1,1,10")),
 }
 
 
+@dataclass(frozen=True)
 class Stage:
-    """One child command, logged to a file, skipped when its result already exists."""
+    """One step of the demo: a child command (or an in-process function) whose success leaves
+    ``result`` on disk; ``needs`` names the stages whose results it reads."""
 
-    def __init__(self, out: Path, fresh: bool, bar: tqdm):
-        self.logs, self.fresh, self.bar = out / "logs", fresh, bar
-        self.logs.mkdir(parents=True, exist_ok=True)
+    name: str
+    result: Path
+    command: list[str] | Callable[[], None]
+    needs: tuple[str, ...] = ()
 
-    def __call__(self, name: str, result: Path, cmd: list[str], env: dict | None = None) -> Path:
-        self.bar.set_description(name)
-        if result.exists() and not self.fresh:
-            self.bar.write(f"[{name}] already done: {result}")
+
+@dataclass
+class Outcome:
+    failed: dict[str, str] = field(default_factory=dict)  # stage -> one line: what failed, its log
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def run_stage(stage: Stage, logs: Path, env: dict) -> str | None:
+    """Run one stage, its output to ``logs/<name>.log``; None on success, else the failure line."""
+    log = logs / f"{stage.name}.log"
+    with open(log, "w") as f:
+        if callable(stage.command):
+            try:
+                stage.command()
+            except Exception as e:  # noqa: BLE001 - any failure of an in-process stage is its failure line
+                f.write(f"{type(e).__name__}: {e}\n")
+                return f"{type(e).__name__}: {e} (log: {log})"
         else:
-            log = self.logs / f"{name}.log"
-            start = time.time()
-            with open(log, "w") as f:
-                f.write("$ " + " ".join(cmd) + "\n")
-                f.flush()
-                code = subprocess.call(
-                    cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-                )
-            if code != 0 or not result.exists():
-                tail = log.read_text().splitlines()[-15:]
-                sys.exit(f"error: stage {name} failed (exit {code}); last lines of {log}:\n" + "\n".join(tail))
-            self.bar.write(f"[{name}] {time.time() - start:.0f} s -> {result}")
-        self.bar.update(1)
-        return result
+            f.write("$ " + " ".join(stage.command) + "\n")
+            f.flush()
+            env = {**os.environ, **env}
+            code = subprocess.call(stage.command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+            if code != 0:
+                return f"exit {code}; last line: {_last_line(log)} (log: {log})"
+    if not stage.result.exists():
+        return f"finished without writing {stage.result} (log: {log})"
+    return None
+
+
+def _last_line(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else "(no output)"
+
+
+def run_stages(stages: list[Stage], logs: Path, env: dict, fresh: bool = False) -> Outcome:
+    """Run the table in order. A stage whose result exists is skipped (unless ``fresh``); a stage
+    that needs a failed or skipped one is not run; every other stage runs whatever failed before."""
+    logs.mkdir(parents=True, exist_ok=True)
+    outcome = Outcome()
+    for i, stage in enumerate(stages, 1):
+        prefix = f"[{i}/{len(stages)} {stage.name}]"
+        missing = [n for n in stage.needs if n in outcome.failed]
+        if missing:
+            outcome.failed[stage.name] = f"not run: needs {', '.join(missing)}"
+            print(f"{prefix} not run: needs {', '.join(missing)}", flush=True)
+            continue
+        if stage.result.exists() and not fresh:
+            print(f"{prefix} already done: {stage.result}", flush=True)
+            continue
+        start = time.time()
+        failure = run_stage(stage, logs, env)
+        outcome.seconds[stage.name] = time.time() - start
+        if failure:
+            outcome.failed[stage.name] = failure
+            print(f"{prefix} FAILED: {failure}", flush=True)
+        else:
+            print(f"{prefix} {outcome.seconds[stage.name]:.0f} s -> {stage.result}", flush=True)
+    return outcome
 
 
 def random_init_checkpoint(arch: str, path: Path, seed: int) -> None:
@@ -74,36 +134,162 @@ def random_init_checkpoint(arch: str, path: Path, seed: int) -> None:
     import torch
     import torchvision
 
+    from contrastive_transfer.cli import atomic_write
+
     torch.manual_seed(seed)
     model = getattr(torchvision.models, arch)(weights=None)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("fc.")}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("fc.")}, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text())
+def evaluation_stages(name: str, weights: Path, needs: tuple[str, ...], paths: dict, budget: Budget) -> list[Stage]:
+    """kNN, VOC07 SVM, linear probe, conversion and detection of one backbone."""
+    py, d, data, imagenet = sys.executable, paths["out"] / name, paths["data"], paths["data"] / "imagenet"
+    weights_arg = ["--weights", str(weights)]
+    pkl = d / "detectron2.pkl"
+    iters = budget.detection_iters
+    # fmt: off
+    return [
+        Stage(f"{name}-knn", d / "knn" / "metrics.json", [
+            py, "-m", "transfer.knn", *weights_arg, "--train-dir", str(imagenet / "train"),
+            "--val-dir", str(imagenet / "val"), "--k", "20", "--t", "0.07", "--resize", "73", "--crop", "64",
+            "--output-dir", str(d / "knn"),
+        ], needs),
+        Stage(f"{name}-voc07-svm", d / "voc07_svm" / "metrics.json", [
+            py, "-m", "transfer.voc07_svm", *weights_arg, "--voc-root", str(data / "VOC2007"),
+            "--resize", "146", "--crop", "128", *budget.svm, "--output-dir", str(d / "voc07_svm"),
+        ], needs),
+        # The bn preset: BN without affine before the fc, so one lr fits every backbone's feature
+        # scale (the moco preset's lr 30 on raw features diverges on some of these backbones).
+        Stage(f"{name}-linear", d / "linear" / "metrics.json", [
+            py, "-m", "transfer.linear", *weights_arg, "--dataset", "imagenet", "--data-root", str(imagenet),
+            "--preset", "bn", "--epochs", str(budget.probe_epochs), "--resize", "73", "--crop", "64",
+            "--output-dir", str(d / "linear"),
+        ], needs),
+        Stage(f"{name}-convert", pkl, [py, "-m", "converters.to_detectron2", str(weights), str(pkl)], needs),
+        Stage(f"{name}-detection", d / "detection" / "metrics.json", [
+            py, "-m", "transfer.detection", "--config-file", str(DETECTION_CONFIG), "--num-gpus", "1",
+            "--seeds", str(budget.detection_seeds), "--data-root", str(data), "MODEL.WEIGHTS", str(pkl),
+            "OUTPUT_DIR", str(d / "detection"), "SOLVER.MAX_ITER", str(iters), "SOLVER.STEPS", f"({int(iters * 0.8)},)",
+        ], (f"{name}-convert",)),
+    ]
+    # fmt: on
 
 
-def collect(out: Path, backbones: list[str]) -> dict[str, dict[str, float]]:
-    """{row: {backbone: value}} from the stages' metrics.json files."""
-    rows: dict[str, dict[str, float]] = {}
-    for b in backbones:
-        knn = _load(out / b / "knn" / "metrics.json")
-        svm = _load(out / b / "voc07_svm" / "metrics.json")["layers"]["res5avg"]
-        probe = _load(out / b / "linear" / "metrics.json")
-        det = _load(out / b / "detection" / "metrics.json")["results"]
-        bbox = next(iter(det.values()))["bbox"]
+def plan(args, budget: Budget) -> list[Stage]:
+    """The demo's stages in order."""
+    from pretrain.config import load_config
+
+    py, out, data = sys.executable, args.out, args.data
+    recipe = ROOT / "configs" / "pretrain" / f"tiny_{args.method}.yaml"
+    arch = load_config(recipe, [], 1).model.arch
+    pretrain_dir, imagenet = out / "pretrain", data / "imagenet"
+    final, random_ckpt = pretrain_dir / "checkpoint_final.pth", out / "random" / "random_init.pth"
+    paths = {"out": out, "data": data}
+    # fmt: off
+    return [
+        Stage("data", data / "manifest.json", [
+            py, "-m", "contrastive_transfer.synthetic", "--out", str(data), "--preset", args.preset,
+            "--seed", str(args.seed),
+        ]),
+        Stage("pretrain", final, [
+            str(Path(py).parent / "accelerate"), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "pretrain", "--config", str(recipe),
+            f"data.root={imagenet / 'train'}", f"train.output_dir={pretrain_dir}", f"train.seed={args.seed}",
+            f"knn.train_dir={imagenet / 'train'}", f"knn.val_dir={imagenet / 'val'}",
+            f"train.epochs={budget.pretrain_epochs}",
+        ], ("data",)),
+        Stage("random-init", random_ckpt, lambda: random_init_checkpoint(arch, random_ckpt, args.seed)),
+        *evaluation_stages("pretrained", final, ("pretrain",), paths, budget),
+        *evaluation_stages("random", random_ckpt, ("data", "random-init"), paths, budget),
+        Stage("curves", out / "plots" / "curves.png", [
+            py, "-m", "pretrain.analysis", "curves", str(pretrain_dir), "--out", str(out / "plots"),
+        ], ("pretrain",)),
+    ]
+    # fmt: on
+
+
+# ------------------------------------------------------------------------------------ report
+@dataclass(frozen=True)
+class Figure:
+    """One backbone's value of a row: mean, sample std over ``n`` runs (None for one run)."""
+
+    mean: float
+    std: float | None = None
+    n: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.mean:.2f}" + (f" ± {self.std:.2f}" if self.std is not None else "")
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _detection(metrics: dict | None, key: str) -> Figure | None:
+    if metrics is None:
+        return None
+    if "mean" in metrics:  # several seeds: transfer.detection's mean and sample std
+        task = next(iter(metrics["mean"].values()))["bbox"]
+        std = next(iter(metrics["std"].values()))["bbox"]
+        return Figure(task[key], std[key], len(metrics["seeds"]))
+    return Figure(next(iter(metrics["results"].values()))["bbox"][key])
+
+
+def collect(out: Path) -> dict[str, dict[str, Figure | None]]:
+    """{row: {backbone: Figure or None (stage failed or not run)}} from the stages' metrics.json."""
+    rows: dict[str, dict[str, Figure | None]] = {}
+    for b in BACKBONES:
+        knn, probe = _read(out / b / "knn" / "metrics.json"), _read(out / b / "linear" / "metrics.json")
+        svm = _read(out / b / "voc07_svm" / "metrics.json")
+        det = _read(out / b / "detection" / "metrics.json")
         for row, value in [
-            ("kNN top-1 (synthetic ImageNet val, %)", knn["top1"]),
-            ("VOC07 SVM mAP (res5avg, %)", svm["mAP"]),
-            ("linear probe top-1 (synthetic ImageNet val, %)", probe["top1"]),
-            ("VOC07 test AP50 (FPN fine-tune)", bbox["AP50"]),
-            ("VOC07 test AP (FPN fine-tune)", bbox["AP"]),
+            ("kNN top-1 (%)", knn and Figure(knn["top1"])),
+            ("VOC07 SVM mAP (%)", svm and Figure(svm["layers"]["res5avg"]["mAP"])),
+            ("linear probe top-1 (%)", probe and Figure(probe["top1"])),
+            ("FPN AP50 on VOC07 test", _detection(det, "AP50")),
+            ("FPN AP on VOC07 test", _detection(det, "AP")),
         ]:
             rows.setdefault(row, {})[b] = value
     return rows
+
+
+def gain_line(p: Figure | None, r: Figure | None) -> str:
+    """The difference, and for figures over several seeds whether it exceeds twice its standard error."""
+    if p is None or r is None:
+        return "—"
+    text = f"{p.mean - r.mean:+.2f}"
+    if p.std is not None and r.std is not None:
+        se = (p.std**2 / p.n + r.std**2 / r.n) ** 0.5
+        text += f" (SE {se:.2f}: {'above' if abs(p.mean - r.mean) > 2 * se else 'within'} 2 SE)"
+    return text
+
+
+def budgets(budget: Budget, method: str, seed: int) -> dict[str, str]:
+    return {
+        "kNN top-1 (%)": "k 20, τ 0.07, 64 px center crop; deterministic",
+        "VOC07 SVM mAP (%)": "res5avg, 128 px; deterministic",
+        "linear probe top-1 (%)": f"bn preset, {budget.probe_epochs} epochs, seed {seed}",
+        "FPN AP50 on VOC07 test": f"{budget.detection_iters} iterations × 2 images, mean ± std of "
+        f"{budget.detection_seeds} fine-tune seeds",
+        "FPN AP on VOC07 test": "as AP50",
+    }
+
+
+def pretrain_summary(pretrain_dir: Path) -> str:
+    path = pretrain_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    steps = [r for r in rows if "loss" in r]
+    if not steps:
+        return "no pretraining figures (the stage failed or did not run)"
+    knn = [r["knn_top1"] for r in rows if "knn_top1" in r]
+    seconds = sum(r.get("step_time", 0.0) for r in steps)
+    text = (
+        f"{steps[-1]['step']} steps ({steps[-1]['epoch']:.0f} epochs, ~{seconds / 60:.1f} min of steps), "
+        f"final loss {steps[-1]['loss']:.3f}"
+    )
+    return text + (f", kNN monitor top-1 by epoch: {', '.join(f'{v:.1f}' for v in knn)}" if knn else "")
 
 
 def comparison_plot(rows: dict, path: Path) -> None:
@@ -112,276 +298,96 @@ def comparison_plot(rows: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(rows)
+    names = [n for n in rows if all(rows[n].get(b) for b in BACKBONES)]
+    if not names:
+        return
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.5))
-    y = range(len(names))
     for offset, (b, color) in enumerate([("pretrained", "tab:blue"), ("random", "tab:gray")]):
-        vals = [rows[n].get(b, 0.0) for n in names]
-        ax.barh([i + 0.4 * offset for i in y], vals, height=0.38, color=color, label=b)
-        for i, v in zip(y, vals):
-            ax.text(v + 0.5, i + 0.4 * offset, f"{v:.1f}", va="center", fontsize=9)
-    ax.set_yticks([i + 0.2 for i in y], names)
+        figs = [rows[n][b] for n in names]
+        ys = [i + 0.4 * offset for i in range(len(names))]
+        ax.barh(ys, [f.mean for f in figs], height=0.38, color=color, label=b,
+                xerr=[f.std or 0.0 for f in figs], capsize=3)  # fmt: skip
+        for y, f in zip(ys, figs):
+            ax.text(f.mean + (f.std or 0.0) + 0.5, y, str(f), va="center", fontsize=9)
+    ax.set_yticks([i + 0.2 for i in range(len(names))], names)
     ax.invert_yaxis()
-    ax.set_xlabel("score")
-    ax.set_xlim(0, 1.15 * max(max(v.values()) for v in rows.values()))  # room for the value labels
+    ax.set_xlabel("score (error bars: std over fine-tune seeds)")
+    ax.set_xlim(0, 1.25 * max(rows[n][b].mean for n in names for b in BACKBONES))
     ax.set_title("Pretrained vs random-init backbone\n(synthetic data, CPU)")
     ax.legend(loc="lower right")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def pretrain_summary(pretrain_dir: Path) -> str:
-    rows = [json.loads(line) for line in (pretrain_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "loss" in r]
-    knn = [r["knn_top1"] for r in rows if "knn_top1" in r]
-    seconds = sum(r.get("step_time", 0.0) for r in steps)
-    text = (
-        f"{steps[-1]['step']} steps ({steps[-1]['epoch']:.0f} epochs, ~{seconds / 60:.1f} min of steps), "
-        f"final loss {steps[-1]['loss']:.3f}"
-    )
-    if knn:
-        text += f", kNN monitor top-1 by epoch: {', '.join(f'{v:.1f}' for v in knn)}"
-    return text
-
-
-def report(out: Path, rows: dict, method: str, preset: str, pretrain_dir: Path, plots: list[Path]) -> str:
+def write_report(args, budget: Budget, failed: dict[str, str]) -> Path:
+    """OUT/report.md from whatever the stages left: a failed stage's figures are "—"."""
+    out = args.out
+    rows = collect(out)
+    plots = [out / "plots" / "pretrained_vs_random.png", out / "plots" / "curves.png"]
+    comparison_plot(rows, plots[0])
+    spent = budgets(budget, args.method, args.seed)
     lines = [
-        f"# Demo report: {method} on the synthetic `{preset}` data (CPU)",
+        f"# Demo report: {args.method} on the synthetic `{args.preset}` data (CPU)",
         "",
-        f"Pretraining: `configs/pretrain/tiny_{method}.yaml`, {pretrain_summary(pretrain_dir)}.",
+        f"Pretraining: `configs/pretrain/tiny_{args.method}.yaml`, seed {args.seed}, "
+        f"{pretrain_summary(out / 'pretrain')}.",
         "",
-        "| metric | pretrained | random init | difference |",
-        "|---|---|---|---|",
+        "| metric | pretrained | random init | difference | budget and spread |",
+        "|---|---|---|---|---|",
     ]
     for name, vals in rows.items():
-        p, r = vals.get("pretrained"), vals.get("random")
-        lines.append(f"| {name} | {p:.2f} | {r:.2f} | {p - r:+.2f} |")
+        p, r = vals["pretrained"], vals["random"]
+        lines.append(f"| {name} | {p or '—'} | {r or '—'} | {gain_line(p, r)} | {spent[name]} |")
+    lines += ["", DETECTION_NOTE.format(iters=budget.detection_iters), ""]
+    if failed:
+        lines += ["## Failed stages", ""] + [f"- `{name}`: {why}" for name, why in failed.items()] + [""]
     lines += [
-        "",
-        "Each figure comes from the stage's `metrics.json` under this folder "
-        "(`pretrained/` and `random/`), which also records the preprocessing and settings; "
-        "the commands and their full output are in `logs/`.",
+        "Each figure comes from the stage's `metrics.json` under this folder (`pretrained/` and "
+        "`random/`), which also records the preprocessing and settings; the commands and their full "
+        "output are in `logs/`.",
         "",
     ]
-    lines += [f"![{p.stem}]({p.relative_to(out)})" for p in plots]
-    return "\n".join(lines) + "\n"
+    lines += [f"![{p.stem}]({p.relative_to(out)})" for p in plots if p.is_file()]
+    report = out / "report.md"
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_text("\n".join(lines) + "\n")
+    return report
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="datasets/synthetic")
-    parser.add_argument("--preset", default="small", choices=sorted(SETTINGS))
+    parser.add_argument("--data", type=Path, default=Path("datasets/synthetic"))
+    parser.add_argument("--preset", default="small", choices=sorted(BUDGETS), help="data size and budget")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--method", default="mocov2", help="pretraining recipe: configs/pretrain/tiny_<method>.yaml")
-    parser.add_argument("--out", "--output-dir", default="outputs/demo", help="output folder (default %(default)s)")
+    parser.add_argument("--out", "--output-dir", type=Path, default=Path("outputs/demo"), help="output folder")
     parser.add_argument("--fresh", action="store_true", help="redo every stage")
     args = parser.parse_args(argv)
 
     recipe = ROOT / "configs" / "pretrain" / f"tiny_{args.method}.yaml"
     if not recipe.is_file():
         names = sorted(p.stem[len("tiny_") :] for p in recipe.parent.glob("tiny_*.yaml"))
-        sys.exit(f"error: METHOD={args.method}: no {recipe.relative_to(ROOT)}; expected one of {', '.join(names)}")
-    data, out = Path(args.data).resolve(), Path(args.out).resolve()
-    if args.fresh and out.exists():
-        shutil.rmtree(out)
-    settings = SETTINGS[args.preset]
-    py = sys.executable
-    # One stage at a time uses all cores; where a stage runs several processes (SVM fits), passive
-    # OpenMP waiting keeps idle threads from spinning on cores the others need.
+        print(f"error: METHOD={args.method}: no {recipe.relative_to(ROOT)}; expected one of {', '.join(names)}")
+        return 2
+    args.data, args.out = args.data.resolve(), args.out.resolve()
+    if args.fresh and args.out.exists():
+        shutil.rmtree(args.out)
+    budget = BUDGETS[args.preset]
+    # One stage at a time uses all cores; passive OpenMP waiting keeps idle threads from spinning.
     env = {
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
     }
-    n_stages = 3 + 2 * 5 + 1
-    with tqdm(total=n_stages, unit="stage", dynamic_ncols=True) as bar:
-        stage = Stage(out, args.fresh, bar)
-        stage(
-            "data",
-            data / "manifest.json",
-            [
-                py,
-                "-m",
-                "transfer.datasets.synthetic",
-                "--out",
-                str(data),
-                "--preset",
-                args.preset,
-                "--seed",
-                str(args.seed),
-            ],
-        )
-        imagenet = data / "imagenet"
-        pretrain_dir = out / "pretrain"
-        final = stage(
-            "pretrain",
-            pretrain_dir / "checkpoint_final.pth",
-            [
-                str(Path(py).parent / "accelerate"),
-                "launch",
-                "--cpu",
-                "--num_processes",
-                "1",
-                "--num_machines",
-                "1",
-                "--mixed_precision",
-                "no",
-                "--dynamo_backend",
-                "no",
-                "-m",
-                "pretrain",
-                "--config",
-                str(recipe),
-                f"data.root={imagenet / 'train'}",
-                f"train.output_dir={pretrain_dir}",
-                f"train.seed={args.seed}",
-                f"knn.train_dir={imagenet / 'train'}",
-                f"knn.val_dir={imagenet / 'val'}",
-                *settings["pretrain"],
-            ],
-            env,
-        )
-        import torch
-
-        arch = torch.load(final, map_location="cpu", weights_only=False)["arch"]
-        random_ckpt = out / "random" / "random_init.pth"
-        if not random_ckpt.exists() or args.fresh:
-            random_init_checkpoint(arch, random_ckpt, args.seed)
-        bar.set_description("random init")
-        bar.update(1)
-
-        for name, weights in (("pretrained", final), ("random", random_ckpt)):
-            d = out / name
-            stage(
-                f"{name}-knn",
-                d / "knn" / "metrics.json",
-                [
-                    py,
-                    "-m",
-                    "transfer.knn",
-                    "--weights",
-                    str(weights),
-                    "--train-dir",
-                    str(imagenet / "train"),
-                    "--val-dir",
-                    str(imagenet / "val"),
-                    "--k",
-                    "20",
-                    "--t",
-                    "0.07",
-                    "--resize",
-                    "73",
-                    "--crop",
-                    "64",
-                    "--output-dir",
-                    str(d / "knn"),
-                ],
-                env,
-            )
-            stage(
-                f"{name}-voc07-svm",
-                d / "voc07_svm" / "metrics.json",
-                [
-                    py,
-                    "-m",
-                    "transfer.voc07_svm",
-                    "--weights",
-                    str(weights),
-                    "--voc-root",
-                    str(data / "VOC2007"),
-                    "--resize",
-                    "146",
-                    "--crop",
-                    "128",
-                    *settings["svm"],
-                    "--output-dir",
-                    str(d / "voc07_svm"),
-                ],
-                env,
-            )
-            stage(
-                f"{name}-linear",
-                d / "linear" / "metrics.json",
-                [
-                    py,
-                    "-m",
-                    "transfer.linear",
-                    "--weights",
-                    str(weights),
-                    "--dataset",
-                    "imagenet",
-                    "--data-root",
-                    str(imagenet),
-                    "--preset",
-                    "moco",
-                    "--epochs",
-                    str(settings["probe_epochs"]),
-                    # lr 0.3, not the preset's 30 (tuned for ResNet-50 on ImageNet): on these 512-d features
-                    # 30 makes the loss grow past 100x its first value, which the probe stops on.
-                    "--lr",
-                    "0.3",
-                    "--batch-size",
-                    "64",
-                    "--resize",
-                    "73",
-                    "--crop",
-                    "64",
-                    "--output-dir",
-                    str(d / "linear"),
-                ],
-                env,
-            )
-            pkl = d / "detectron2.pkl"
-            stage(f"{name}-convert", pkl, [py, "-m", "converters.to_detectron2", str(weights), str(pkl)], env)
-            stage(
-                f"{name}-detection",
-                d / "detection" / "metrics.json",
-                [
-                    py,
-                    "-m",
-                    "transfer.detection",
-                    "--config-file",
-                    str(ROOT / "configs" / "detection" / "tiny_voc0712_R_18_FPN_syncbn.yaml"),
-                    "--num-gpus",
-                    "1",
-                    "--data-root",
-                    str(data),
-                    "MODEL.WEIGHTS",
-                    str(pkl),
-                    "OUTPUT_DIR",
-                    str(d / "detection"),
-                    "SOLVER.MAX_ITER",
-                    str(settings["detection_iters"]),
-                    "SOLVER.STEPS",
-                    f"({int(settings['detection_iters'] * 0.8)},)",
-                ],
-                env,
-            )
-
-        plots_dir = out / "plots"
-        stage(
-            "curves",
-            plots_dir / "curves.png",
-            [py, "-m", "pretrain.analysis", "curves", str(pretrain_dir), "--out", str(plots_dir)],
-            env,
-        )
-    rows = collect(out, ["pretrained", "random"])
-    comparison_plot(rows, plots_dir / "pretrained_vs_random.png")
-    text = report(
-        out,
-        rows,
-        args.method,
-        args.preset,
-        pretrain_dir,
-        [plots_dir / "pretrained_vs_random.png", plots_dir / "curves.png"],
-    )
-    (out / "report.md").write_text(text)
-    width = max(len(n) for n in rows)
-    print(f"\n{'metric':<{width}}  pretrained  random init")
-    for n, v in rows.items():
-        print(f"{n:<{width}}  {v['pretrained']:10.2f}  {v['random']:11.2f}")
-    print(f"\nreport: {out / 'report.md'}")
+    outcome = run_stages(plan(args, budget), args.out / "logs", env, args.fresh)
+    report = write_report(args, budget, outcome.failed)
+    print(f"\nreport: {report}")
+    if outcome.failed:
+        print(f"error: {len(outcome.failed)} stage(s) failed: {', '.join(outcome.failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

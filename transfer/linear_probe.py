@@ -106,7 +106,8 @@ def check_divergence(loss: float, first: float | None, lr: float) -> float:
     if not math.isfinite(loss) or (first is not None and loss > DIVERGENCE_FACTOR * max(first, 1e-3)):
         raise UserError(
             f"the linear probe diverged (loss {loss:.4g}, first loss {first if first is not None else loss:.4g}) "
-            f"at lr {lr:g}: lower it with --lr (e.g. --lr {lr / 10:g})"
+            f"at lr {lr:g}: lower it with --lr (e.g. --lr {lr / 10:g}), or use --preset bn, whose head does not "
+            "depend on the feature scale"
         )
     return loss if first is None else first
 

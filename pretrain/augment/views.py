@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from pretrain.augment.pipeline import ViewTransform
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "augment"
-PRESETS = ("mocov1", "mocov2", "simclr", "byol")
+PRESETS = ("mocov1", "mocov2", "simclr", "byol", "supervised")
 SIGMA = (0.1, 2.0)  # blur σ range of MoCo v2 / SimCLR / BYOL (the presets); not scaled with image size
 ALIASES = {"aug+": "mocov2", "aug_plus": "mocov2", "moco_v1": "mocov1", "moco_v2": "mocov2"}
 INTERPOLATIONS = {

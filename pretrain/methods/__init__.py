@@ -6,6 +6,7 @@ from pretrain.methods.moco import MoCo
 from pretrain.methods.simclr import SimCLR
 from pretrain.methods.simco import SimCo, SimMoCo
 from pretrain.methods.simo import SiMo
+from pretrain.methods.supervised import Supervised
 
 METHODS: dict[str, type[Method]] = {
     "adco": AdCo,
@@ -14,4 +15,5 @@ METHODS: dict[str, type[Method]] = {
     "simco": SimCo,
     "simmoco": SimMoCo,
     "simo": SiMo,
+    "supervised": Supervised,
 }

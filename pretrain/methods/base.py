@@ -11,6 +11,8 @@ pointers as buffers), so one ``state_dict`` resumes it. The engine only relies o
 * ``view_transforms(cfg)``: the augmentation of each view the method consumes (two views of
   ``data.augmentation`` unless the method wants more, e.g. AdCo's multi-crop);
 * ``forward(views) -> dict``: ``"loss"`` (scalar with gradient) plus detached scalars to log;
+  a method with ``needs_labels`` gets ``forward(views, labels)``, the class indices of the
+  ImageFolder (the ``supervised`` baseline), and ``check_classes`` sees the class folders first;
 * ``after_step(skipped)``: called after every optimizer step, for state updates that must see the
   stepped network or the step's forward (e.g. AdCo's adversary ascent); a no-op by default;
 * ``backbone`` / ``momentum_backbone``: the torchvision ResNets exported in ``checkpoint_final.pth``;
@@ -35,6 +37,7 @@ from pretrain.losses import LOSS_CONFIG_KEYS, LOSSES, SAMPLING_MODES, positive_n
 class Method(nn.Module):
     defaults: ClassVar[dict[str, Any]] = {}
     sync_bn: ClassVar[bool] = False
+    needs_labels: ClassVar[bool] = False
 
     def __init__(self, cfg, num_processes: int) -> None:
         super().__init__()
@@ -50,6 +53,9 @@ class Method(nn.Module):
         return build_view_transforms(
             cfg.data.augmentation, cfg.data.image_size, cfg.data.min_crop_scale, cfg.data.views
         )
+
+    def check_classes(self, classes: list[str], root) -> None:
+        """Raise ConfigError when the dataset's class folders cannot serve this method (labels)."""
 
     def after_step(self, skipped: bool = False) -> None:
         """Called by the engine right after ``optimizer.step()`` (outside autocast); ``skipped``:

@@ -36,6 +36,7 @@ PAPER = [
     "adco",
     "adco_sym",
     "adco_multicrop",
+    "supervised",
 ]
 
 
@@ -58,7 +59,7 @@ def test_every_paper_recipe_and_its_tiny_version_resolve():
     assert set(TINY) == {f"tiny_{r}" for r in PAPER}
     for recipe in PAPER + TINY:
         cfg = _cfg(recipe)
-        assert cfg.method.name in ("moco", "simclr", "simo", "simmoco", "simco", "adco")
+        assert cfg.method.name in ("moco", "simclr", "simo", "simmoco", "simco", "adco", "supervised")
     v1, v2 = _cfg("mocov1"), _cfg("mocov2")
     assert (v1.method.head, v1.method.temperature, v1.data.augmentation, v1.optim.schedule) == (
         "linear",
@@ -134,8 +135,11 @@ def test_tiny_recipe_trains_without_nan_and_loss_moves(accelerator, synthetic_ro
     losses = [r["loss"] for r in rows]
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     assert max(losses) - min(losses) > 1e-4
-    assert {"mi_bound", "npc_mean", "npc_cv", "lr", "data_time"} <= set(rows[-1])
-    assert "grad_q_norm_mean" in rows[1] and rows[1]["grad_q_norm_mean"] > 0
+    if recipe == "tiny_supervised":  # no contrast, no queries: its own accuracy instead of the diagnostics
+        assert {"train_top1", "lr", "data_time"} <= set(rows[-1])
+    else:
+        assert {"mi_bound", "npc_mean", "npc_cv", "lr", "data_time"} <= set(rows[-1])
+        assert "grad_q_norm_mean" in rows[1] and rows[1]["grad_q_norm_mean"] > 0
     ckpt = torch.load(final, weights_only=False)
     assert ckpt["method"] == _cfg(recipe).method.name and ckpt["arch"] == "resnet18"
     net, _ = build_backbone("resnet18", ckpt["stem"])
