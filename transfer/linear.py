@@ -75,7 +75,9 @@ PRESETS = {
     # Measured on the synthetic ImageNet with ResNet-18 backbones from random init to 6-epoch
     # pretraining by every method (benchmarks/learning.md): lr 0.1 raised the training loss in its
     # first epochs, 0.03 did not; the BN keeps that true for features scaled ×100 (tests).
-    "bn": Preset("res5avg", True, 0.03, "step", 10, milestones=(2, 5, 8), nesterov=True, weight_decay=1e-4, batch_size=64),
+    "bn": Preset(
+        "res5avg", True, 0.03, "step", 10, milestones=(2, 5, 8), nesterov=True, weight_decay=1e-4, batch_size=64
+    ),
     "moco": Preset("res5avg", False, 30.0, "step", 100, milestones=(60, 80)),
     "adco": Preset("res5avg", False, 10.0, "cosine", 100, final_lr=0.01),
     "places205": Preset("res5", True, 0.01, "step", 28, milestones=(7, 14, 21), nesterov=True, weight_decay=1e-4),
