@@ -1,0 +1,57 @@
+"""benchmarks/transfer.py without the hours of runs: rows are kept by config hash and seed count,
+the baseline is measured first, each cell is mean ± sample std over the seeds, and a gain is marked
+only where it exceeds twice its standard error."""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks import transfer
+
+
+def _values(shift: float, spread: float) -> dict[str, list[float]]:
+    seeds = [shift - spread, shift, shift + spread]
+    return {"knn": [50.0 + shift], "svm": [12.0 + shift], "probe": [40 + s for s in seeds],
+            "AP50": [5 + s for s in seeds], "AP": [1 + s / 10 for s in seeds]}  # fmt: skip
+
+
+def test_cells_and_gains_follow_their_formulas():
+    assert transfer.cell([1.0, 2.0, 4.0]) == f"2.3 ± {statistics.stdev([1.0, 2.0, 4.0]):.1f}"
+    assert transfer.cell([3.0]) == "3.0"
+    base = [5.0, 6.0, 7.0]  # std 1: SE of two such means = sqrt(2/3) = 0.816
+    assert transfer.gain([6.5, 7.5, 8.5], base) == "+1.5"  # 1.5 < 2 × 0.816
+    assert transfer.gain([6.8, 7.8, 8.8], base) == "+1.8 ✓"  # 1.8 > 1.63
+    assert transfer.gain([51.0], [50.0]) == "+1.0 ✓"  # deterministic figures: any gain is one
+    assert transfer.gain([49.0], [50.0]) == "-1.0"
+
+
+def test_rows_are_kept_by_hash_and_the_table_marks_clear_gains(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text("{}")
+    calls = []
+
+    def fake_measure(row, data, work, seeds, fresh):
+        calls.append((row, fresh))
+        shift, spread = {"random": (0.0, 1.0), "tiny_simclr": (10.0, 1.0), "tiny_mocov2": (1.0, 3.0)}[row]
+        return {"row": row, "values": _values(shift, spread), "seeds": seeds, "config_hash": transfer.row_hash(row)}
+
+    monkeypatch.setattr(transfer, "measure", fake_measure)
+    monkeypatch.setattr(transfer, "_chart", lambda rows, path: path.write_bytes(b"png"))
+    hashes = {"tiny_simclr": "a", "tiny_mocov2": "b"}
+    monkeypatch.setattr(transfer, "row_hash", lambda row: hashes.get(row, "random"))
+    out = tmp_path / "transfer.md"
+    argv = ["--rows", "tiny_simclr,tiny_mocov2", "--data", str(tmp_path / "data"), "--work", str(tmp_path / "w")]
+    transfer.main([*argv, "--out", str(out)])
+    assert calls == [("random", False), ("tiny_simclr", False), ("tiny_mocov2", False)]  # the baseline first
+    transfer.main([*argv, "--out", str(out)])
+    assert len(calls) == 3  # all kept
+    hashes["tiny_mocov2"] = "edited"
+    transfer.main([*argv, "--out", str(out)])
+    assert calls[3:] == [("tiny_mocov2", True)]  # the recipe changed: measured again from a clean run
+
+    table = out.read_text()
+    simclr = next(line for line in table.splitlines() if line.startswith("| tiny_simclr |"))
+    mocov2 = next(line for line in table.splitlines() if line.startswith("| tiny_mocov2 |"))
+    assert "| 60.0 | 22.0 | 50.0 ± 1.0 | 15.0 ± 1.0 |" in simclr and "+10.0 ✓ | +10.0 ✓ |" in simclr
+    assert "| +1.0 ✓ | +1.0 ✓ | +1.0 | +1.0 | +0.1 |" in mocov2  # within 2 SE of random init's seeds
+    assert "Not measured yet: tiny_dclw" in table
