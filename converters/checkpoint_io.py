@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import pickle
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from torch import nn
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import TRAINING_STATE_KEYS, FormatError, pretraining_image_size, read_backbone_record
+from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
 from converters.layouts import ENCODERS, LAYOUTS, Layout  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -170,18 +170,12 @@ def _load_file(path: Path):
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights_only" not in str(e):
-            raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
-        # Training states hold numpy RNG states and other plain Python objects that the safe loader
-        # refuses; these are the user's own files, read them the way they were written.
-        logger.warning("%s: contains objects beyond tensors, loading it with weights_only=False", path)
+        # weights_only, never a fallback: a downloaded checkpoint must not run code. The numpy RNG
+        # globals let training states written before RNG states were stored as lists load too.
+        return torch_load(path, NUMPY_RNG_GLOBALS)
+    except UnsafeFileError as e:
+        raise CheckpointError(str(e)) from None
     except Exception as e:  # torch.load raises many types for a file that is not a checkpoint
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
 
 

@@ -241,9 +241,9 @@ def main(argv: list[str] | None = None) -> None:
             ],
             env,
         )
-        import torch
+        from contrastive_transfer.safe_load import torch_load
 
-        arch = torch.load(final, map_location="cpu", weights_only=False)["arch"]
+        arch = torch_load(final)["arch"]  # the run this demo just wrote, still read weights-only
         random_ckpt = out / "random" / "random_init.pth"
         if not random_ckpt.exists() or args.fresh:
             random_init_checkpoint(arch, random_ckpt, args.seed)

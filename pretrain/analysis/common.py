@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from contrastive_transfer.cli import UserError, atomic_write
+from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
 
 
 class AnalysisError(UserError, ValueError):
@@ -76,8 +77,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise AnalysisError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # weights_only: checkpoints given to the analyses may come from anywhere
+        state = torch_load(path, NUMPY_RNG_GLOBALS)
+    except UnsafeFileError as e:
+        raise AnalysisError(str(e)) from None
     except Exception as e:  # torch raises many kinds for a bad file
         raise AnalysisError(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}") from None
     if not isinstance(state, dict):
