@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -94,7 +93,12 @@ def _flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def _write(data: Any, out: Path) -> None:
     if out.suffix == ".pkl":
-        atomic_write(out, lambda tmp: tmp.write_bytes(pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)))
+        payload = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+
+        def write(tmp: Path) -> None:
+            tmp.write_bytes(payload)
+
+        atomic_write(out, write)
         load_pickle(out)
     elif out.suffix == ".safetensors":
         from safetensors.torch import load_file, save_file
@@ -110,7 +114,7 @@ def _write(data: Any, out: Path) -> None:
 
 
 @command
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m converters.legacy_to_safe", description=__doc__.split("\n")[0], epilog=DEBUG_HELP
     )
@@ -138,8 +142,7 @@ def main(argv: list[str]) -> int:
     shown = "; ".join(dropped[:4]) + (" ..." if len(dropped) > 4 else "")
     note = f"; dropped {len(dropped)} non-data objects: {shown}" if dropped else ""
     print(f"wrote {out} (loads without running code){note}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,0 +1,331 @@
+"""Files from anywhere (issue 27): a crafted pickle whose loading would run a shell command that
+leaves a marker file is given to every entry point that reads weights, states or configs. Each must
+refuse it with one line naming the file, exit non-zero, and leave no marker; the control shows the
+same bytes DO run the command under plain pickle, so the tests are alive."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shlex
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from contrastive_transfer import safe_load
+from converters import legacy_to_safe, to_detectron2, to_torchvision
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Payload:
+    """Unpickling this runs `touch MARKER` (what a hostile checkpoint would do, harmlessly)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(self.marker)}",))
+
+
+@pytest.fixture
+def marker(tmp_path) -> Path:
+    return tmp_path / "MARKER_code_ran"
+
+
+def _resnet18_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {k: v for k, v in torchvision.models.resnet18().state_dict().items() if not k.startswith("fc.")}
+
+
+@pytest.fixture(scope="module")
+def resnet18_state() -> dict[str, torch.Tensor]:
+    return _resnet18_state()
+
+
+def evil_moco(path: Path, marker: Path, state: dict) -> Path:
+    """A valid MoCo checkpoint with one payload entry (converted with exit 0 before issue 27)."""
+    sd = {f"module.encoder_q.{k}": v for k, v in state.items()}
+    torch.save({"state_dict": sd, "epoch": 200, "arch": "resnet18", "payload": Payload(marker)}, path)
+    return path
+
+
+def evil_pickle(path: Path, marker: Path, protocol: int = pickle.HIGHEST_PROTOCOL) -> Path:
+    """A detectron2-shaped .pkl (numpy arrays) carrying the payload."""
+    data = {"model": {"stem.conv1.weight": np.zeros((2, 3), np.float32)}, "__author__": Payload(marker)}
+    path.write_bytes(pickle.dumps(data, protocol=protocol))
+    return path
+
+
+def one_line(text: str, path: Path) -> str:
+    text = text.strip()
+    assert "\n" not in text, text
+    assert text.startswith("error: "), text
+    assert str(path) in text, text
+    return text
+
+
+def exit_line(call, path: Path) -> str:
+    """Run a @command main: it must end in SystemExit with one `error:` line naming `path`."""
+    with pytest.raises(SystemExit) as e:
+        call()
+    assert isinstance(e.value.code, str), e.value.code  # a message, hence exit status 1
+    return one_line(e.value.code, path)
+
+
+# ------------------------------------------------------------------------------------- control
+
+
+def test_control_the_crafted_files_do_run_code_under_plain_pickle(tmp_path, marker, resnet18_state):
+    evil_pickle(tmp_path / "x.pkl", marker)
+    with open(tmp_path / "x.pkl", "rb") as f:
+        pickle.load(f)  # noqa: S301 - the control: what every entry point used to do
+    assert marker.exists()
+    marker.unlink()
+    evil_moco(tmp_path / "x.pth", marker, {"conv1.weight": torch.zeros(1)})
+    torch.load(tmp_path / "x.pth", weights_only=False)  # the converters' old fallback
+    assert marker.exists()
+
+
+def test_static_scan_names_the_globals_without_running_them(tmp_path, marker):
+    for protocol in (2, 4, 5):
+        data = evil_pickle(tmp_path / f"p{protocol}.pkl", marker, protocol).read_bytes()
+        assert "posix.system" in safe_load.pickle_globals(data) or "nt.system" in safe_load.pickle_globals(data)
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------ converters
+
+
+@pytest.mark.parametrize("module", [to_detectron2, to_torchvision])
+def test_converters_refuse_a_moco_checkpoint_with_a_payload(module, tmp_path, marker, resnet18_state, capsys):
+    src = evil_moco(tmp_path / "moco_v2_800ep.pth.tar", marker, resnet18_state)
+    out = tmp_path / ("out.pkl" if module is to_detectron2 else "out.pth")
+    assert module.main([str(src), str(out)]) == 1
+    line = one_line(capsys.readouterr().err, src)
+    assert "posix.system" in line or "nt.system" in line
+    assert "legacy_to_safe" in line
+    assert not marker.exists() and not out.exists()
+
+
+def test_to_torchvision_refuses_a_plain_pickle(tmp_path, marker, capsys):
+    src = evil_pickle(tmp_path / "weights.pth", marker)
+    assert to_torchvision.main([str(src), str(tmp_path / "out.pth")]) == 1
+    one_line(capsys.readouterr().err, src)
+    assert not marker.exists()
+
+
+def test_a_clean_moco_checkpoint_still_converts(tmp_path, resnet18_state):
+    src = tmp_path / "moco.pth"
+    torch.save({"state_dict": {f"module.encoder_q.{k}": v for k, v in resnet18_state.items()}, "epoch": 1}, src)
+    assert to_torchvision.main([str(src), str(tmp_path / "out.pth")]) == 0
+    out = torch.load(tmp_path / "out.pth", weights_only=True)
+    assert all(torch.equal(out[k], resnet18_state[k].float()) for k in resnet18_state)
+
+
+# ------------------------------------------------------------------------------------ evaluators
+
+
+def test_knn_refuses_the_weights_before_anything_else(tmp_path, marker, resnet18_state):
+    from transfer import knn
+
+    src = evil_moco(tmp_path / "w.pth", marker, resnet18_state)
+    argv = ["--weights", str(src), "--train-dir", str(tmp_path), "--val-dir", str(tmp_path), "--out", str(tmp_path)]
+    exit_line(lambda: knn.main(argv), src)
+    assert not marker.exists()
+
+
+def test_linear_refuses_the_weights(tmp_path, marker, resnet18_state):
+    from transfer import linear
+
+    src = evil_moco(tmp_path / "w.pth", marker, resnet18_state)
+    out = tmp_path / "probe"
+    argv = ["--weights", str(src), "--dataset", "imagenet", "--data-root", str(tmp_path)]
+    exit_line(lambda: linear.main([*argv, "--preset", "moco", "--out", str(out)]), src)
+    assert not marker.exists() and not (out / "metrics.json").exists()
+
+
+def test_voc07_svm_refuses_the_weights(synthetic_root, tmp_path, marker, resnet18_state):
+    from transfer import voc07_svm
+
+    src = evil_moco(tmp_path / "w.pth", marker, resnet18_state)
+    argv = ["--weights", str(src), "--voc-root", str(synthetic_root / "VOC2007"), "--out", str(tmp_path / "svm")]
+    exit_line(lambda: voc07_svm.main(argv), src)
+    assert not marker.exists() and not (tmp_path / "svm").exists()
+
+
+def _probe_argv(weights: Path, root: Path, out: Path) -> list[str]:
+    return [
+        *("--weights", str(weights), "--dataset", "places205", "--data-root", str(root / "places205")),
+        *("--preset", "places205", "--output-dir", str(out), "--epochs", "1", "--batch-size", "16"),
+        *("--resize", "36", "--crop", "32", "--workers", "0", "--resume"),
+    ]
+
+
+def test_linear_resume_refuses_a_planted_probe_state(synthetic_root, tmp_path, marker, resnet18_state):
+    from transfer import linear
+
+    weights = tmp_path / "w.pth"  # a small-stem ResNet-18 (3x3 conv1): the 32 px crops keep a 4x4 res5
+    torch.save({**resnet18_state, "conv1.weight": torch.randn(64, 3, 3, 3) * 0.1}, weights)
+    out = tmp_path / "probe"
+    out.mkdir()
+    state = out / linear.CHECKPOINT
+    torch.save({"identity": {}, "head": {}, "optimizer": {}, "history": [], "epoch": Payload(marker)}, state)
+    exit_line(lambda: linear.main(_probe_argv(weights, synthetic_root, out)), state)
+    assert not marker.exists() and not (out / "metrics.json").exists()
+    state.write_bytes(b"truncated")  # not hostile, just broken: one line too, not a traceback
+    exit_line(lambda: linear.main(_probe_argv(weights, synthetic_root, out)), state)
+
+
+# -------------------------------------------------------------------------------------- pretrain
+
+
+@pytest.mark.parametrize("command", ["npc", "negatives"])
+def test_analysis_refuses_a_crafted_checkpoint(command, tmp_path, marker):
+    from pretrain.analysis.__main__ import main
+
+    src = tmp_path / "checkpoint_last.pth"
+    torch.save({"method": {}, "config": {}, "x": Payload(marker)}, src)
+    argv = [command, str(src)] if command == "npc" else [command, str(tmp_path), "--checkpoint", str(src)]
+    exit_line(lambda: main(argv), src)
+    assert not marker.exists()
+
+
+def _resume(root: Path, out: Path, *overrides: str):
+    from accelerate import Accelerator
+
+    from contrastive_transfer.cli import command
+    from pretrain.config import load_config
+    from pretrain.engine import train
+
+    recipe = REPO / "configs" / "pretrain" / "tiny_simclr.yaml"
+    cfg = load_config(recipe, [f"data.root={root}", f"train.output_dir={out}", "train.max_steps=1", *overrides])
+    return command(lambda argv: train(cfg, Accelerator(cpu=True)))([])
+
+
+def test_pretrain_resume_refuses_a_crafted_file_and_a_planted_run_folder(synthetic_root, tmp_path, marker):
+    root = synthetic_root / "imagenet" / "train"
+    src = tmp_path / "downloaded.pth"
+    torch.save({"method": {}, "step": 3, "rng": [Payload(marker)]}, src)
+    exit_line(lambda: _resume(root, tmp_path / "a", f"train.resume={src}"), src)
+    assert not marker.exists()
+    planted = tmp_path / "b"  # a run folder copied from elsewhere, resumed with resume=auto
+    planted.mkdir()
+    torch.save({"method": {}, "x": Payload(marker)}, planted / "checkpoint_last.pth")
+    exit_line(lambda: _resume(root, planted, "train.resume=auto"), planted / "checkpoint_last.pth")
+    assert not marker.exists() and not (planted / "checkpoint_final.pth").exists()
+
+
+def test_resume_reads_a_training_state_of_the_earlier_format_weights_only(tmp_path):
+    """checkpoint_last.pth written before issue 27 held numpy's RNG key as an ndarray: it still
+    resumes (only numpy's array globals are allowed), and new files need no global at all."""
+    from pretrain.checkpoint import read_training_state, rng_state, set_rng_state
+
+    old = {"method": {}, "optimizer": {}, "step": 1, "steps_per_epoch": 1, "scaler": None, "config": {}}
+    np.random.seed(5)
+    torch.save({**old, "rng": [{"numpy": np.random.get_state()}]}, tmp_path / "old.pth")
+    assert set(read_training_state(tmp_path / "old.pth")) >= {"rng", "method"}
+    state = rng_state()
+    torch.save({**old, "rng": [state]}, tmp_path / "new.pth")
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "new.pth") == []
+    expected = np.random.rand(3)
+    set_rng_state(read_training_state(tmp_path / "new.pth")["rng"][0])
+    assert np.array_equal(np.random.rand(3), expected)  # the restored key continues bit-exactly
+
+
+# ------------------------------------------------------------------------------------- detection
+
+
+@pytest.fixture(scope="module")
+def detection():
+    pytest.importorskip("detectron2")
+    from transfer.detection import config, trainer
+    from transfer.detection.__main__ import main
+
+    return config, trainer, main
+
+
+def _detection_argv(synthetic_root: Path, out: Path, config: Path, *opts: str) -> list[str]:
+    return ["--config-file", str(config), "--data-root", str(synthetic_root), "OUTPUT_DIR", str(out), *opts]
+
+
+TINY_VOC = REPO / "configs" / "detection" / "tiny_voc0712_R_18_FPN_syncbn.yaml"
+
+
+@pytest.mark.parametrize("suffix", [".pkl", ".pth"])
+def test_detection_weights_are_refused(detection, suffix, synthetic_root, tmp_path, marker):
+    *_, main = detection
+    src = tmp_path / f"R-18{suffix}"
+    if suffix == ".pkl":
+        evil_pickle(src, marker)
+    else:
+        torch.save({"model": {"a": torch.zeros(1)}, "x": Payload(marker)}, src)
+    out = tmp_path / "out"
+    exit_line(lambda: main(_detection_argv(synthetic_root, out, TINY_VOC, "MODEL.WEIGHTS", str(src))), src)
+    assert not marker.exists() and not (out / "metrics.json").exists()
+
+
+def test_the_checkpointer_inside_training_uses_the_restricted_unpickler(detection, tmp_path, marker):
+    """Checking MODEL.WEIGHTS before training is not enough: detectron2's DetectionCheckpointer
+    unpickles .pkl files again inside the training processes."""
+    _, trainer, _ = detection
+    checkpointer = trainer.BackboneCheckingCheckpointer(torch.nn.Linear(2, 2))
+    with pytest.raises(safe_load.UnsafeFileError, match="posix.system|nt.system"):
+        checkpointer._load_file(str(evil_pickle(tmp_path / "w.pkl", marker)))
+    assert not marker.exists()
+    good = tmp_path / "good.pkl"
+    good.write_bytes(pickle.dumps({"model": {"w": np.ones((2, 2), np.float32)}, "__author__": "x"}, protocol=2))
+    assert checkpointer._load_file(str(good))["model"]["w"].sum() == 4
+
+
+EVIL_YAML = "SEED: !!python/object/apply:os.system [{}]\n"
+
+
+@pytest.mark.parametrize("through_base", [False, True])
+def test_detection_yaml_with_a_python_tag_is_refused(detection, through_base, synthetic_root, tmp_path, marker):
+    *_, main = detection
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f"_BASE_: {TINY_VOC}\n" + EVIL_YAML.format(shlex.quote(f"touch {marker}")))
+    config = evil
+    if through_base:
+        config = tmp_path / "innocent.yaml"
+        config.write_text("_BASE_: evil.yaml\nSEED: 1\n")
+    exit_line(lambda: main(_detection_argv(synthetic_root, tmp_path / "out", config)), evil)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------- the opt-in converter
+
+
+def test_legacy_to_safe_needs_the_flag_then_writes_a_file_that_loads_weights_only(tmp_path, marker, capsys):
+    src = tmp_path / "legacy.pth"
+    np.random.seed(0)
+    torch.save({"state_dict": {"w": torch.ones(2)}, "rng": np.random.get_state(), "x": Payload(marker)}, src)
+    out = tmp_path / "safe.pth"
+    exit_line(lambda: legacy_to_safe.main([str(src), str(out)]), src)
+    assert not marker.exists() and not out.exists()
+    legacy_to_safe.main([str(src), str(out), "--i-trust-this-file"])  # the user's explicit choice
+    safe = safe_load.torch_load(out)
+    assert torch.equal(safe["state_dict"]["w"], torch.ones(2)) and isinstance(safe["rng"][1], torch.Tensor)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_the_refusal_names_the_command_that_converts(tmp_path, marker):
+    src = evil_pickle(tmp_path / "w.pkl", marker)
+    with pytest.raises(safe_load.UnsafeFileError) as e:
+        safe_load.load_pickle(src)
+    assert f"{safe_load.LEGACY_COMMAND} {src} OUT --i-trust-this-file" in str(e.value)
+    assert not marker.exists()
+
+
+def test_no_unrestricted_loader_is_left_in_the_project():
+    """Every weights_only=False / plain pickle.load / unsafe YAML load lives only in the opt-in."""
+    pattern = r"weights_only=False\)|pickle\.loads?\(|yaml\.unsafe_load\(|yaml\.load\(|allow_unsafe=True"
+    grep = ["git", "grep", "--untracked", "-nE", pattern, "--", "*.py", ":!tests"]
+    found = subprocess.run(grep, cwd=REPO, capture_output=True, text=True).stdout.splitlines()
+    assert all(line.startswith("converters/legacy_to_safe.py:") for line in found), found
+    assert len(found) == 2  # its torch.load and its pickle.load: the grep is alive
