@@ -135,10 +135,21 @@ def _container(ckpt, path: str) -> dict[str, torch.Tensor] | None:
     if not isinstance(obj, Mapping):
         return None
     tensors: dict[str, torch.Tensor] = {}
+    original: dict[str, str] = {}
     for k, v in obj.items():
         if isinstance(k, str) and isinstance(v, torch.Tensor):
-            tensors.setdefault(_unwrap(k), v)
+            name = _unwrap(k)
+            if name in tensors:  # e.g. a `module.` copy beside a plain copy: which one is meant is unknowable
+                raise _KeyCollision(
+                    f"keys {original[name]!r} and {k!r} both read as {name!r} once the wrapper prefixes "
+                    "(module., _orig_mod.) are dropped: the file holds two copies; keep the one you mean"
+                )
+            tensors[name], original[name] = v, k
     return tensors or None
+
+
+class _KeyCollision(Exception):
+    """Raised inside the layout search; load_backbone names the file."""
 
 
 def _from_sequential(name: str) -> str:
@@ -283,6 +294,7 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
         if k not in sd and k.endswith("num_batches_tracked"):
             out[k] = torch.tensor(0)  # older/VISSL-converted files omit it; it has no effect in eval
         elif k in sd:
+            _check_tensor(sd[k], k, source)
             if tuple(sd[k].shape) != shape:
                 raise CheckpointError(
                     f"{source}: {k} has shape {tuple(sd[k].shape)}, expected {shape} for {arch} ({stem} stem)"
@@ -301,6 +313,24 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
             f"({len(unexpected)} unexpected backbone tensors)"
         )
     return out
+
+
+def _check_tensor(v: torch.Tensor, name: str, source: str) -> None:
+    """Dense, on a real device, floating point (counters excepted) and finite: anything else would
+    fail later with a traceback, or worse, evaluate to chance without a word."""
+    if v.layout != torch.strided or v.is_meta:
+        kind = "a meta" if v.is_meta else f"a {str(v.layout).replace('torch.', '')}"
+        raise CheckpointError(f"{source}: {name} is {kind} tensor, expected a dense tensor with values")
+    if name.endswith("num_batches_tracked"):
+        return
+    if not v.is_floating_point():
+        raise CheckpointError(f"{source}: {name} has dtype {v.dtype}, expected floating point weights")
+    bad = int((~torch.isfinite(v)).sum())
+    if bad:
+        raise CheckpointError(
+            f"{source}: {name} holds {bad} non-finite values (NaN or inf) of {v.numel()}: these weights are "
+            "broken (a diverged run?); use an earlier checkpoint"
+        )
 
 
 def _detect_stem(sd: dict[str, torch.Tensor], source: str) -> str:
@@ -335,6 +365,13 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
         record = read_backbone_record(ckpt, source) or _safetensors_record(ckpt, source)
     except FormatError as e:
         raise CheckpointError(str(e)) from None
+    try:
+        return _read_backbone(ckpt, record, source, encoder, layout)
+    except _KeyCollision as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def _read_backbone(ckpt, record: dict | None, source: str, encoder: str, layout: str) -> Backbone:
     candidates = list(LAYOUTS.values()) if layout == "auto" else [LAYOUTS[layout]]
 
     found = next((candidate for candidate in candidates if _find(ckpt, candidate.query) is not None), None)

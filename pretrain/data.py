@@ -25,11 +25,12 @@ from typing import Callable, Sequence
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension
 from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+from contrastive_transfer.paths import scan_image_folder
 from pretrain.augment import ViewTransform
 
 __all__ = [
@@ -76,7 +77,7 @@ def _scan(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     if any(entry.is_dir() for entry in os.scandir(root)):
         try:  # torchvision's scan; raises when a class folder holds no image
             classes, class_to_idx = find_classes(root)
-            return make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS), classes
+            return scan_image_folder(root, class_to_idx, IMG_EXTENSIONS), classes  # each directory once
         except FileNotFoundError as e:
             reason = f" ({e})"
     flat = sorted(

@@ -5,9 +5,11 @@ same bytes DO run the command under plain pickle, so the tests are alive."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 import torchvision
 
 from contrastive_transfer import safe_load
+from contrastive_transfer.paths import PathEscapeError
 from converters import legacy_to_safe, to_detectron2, to_torchvision
 
 REPO = Path(__file__).resolve().parents[1]
@@ -329,3 +332,164 @@ def test_no_unrestricted_loader_is_left_in_the_project():
     found = subprocess.run(grep, cwd=REPO, capture_output=True, text=True).stdout.splitlines()
     assert all(line.startswith("converters/legacy_to_safe.py:") for line in found), found
     assert len(found) == 2  # its torch.load and its pickle.load: the grep is alive
+
+
+# ---------------------------------------------------------------------------- nothing escapes its folder
+
+
+def _recipe(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "recipes" / "downloaded.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"_base_: {REPO / 'configs' / 'pretrain' / 'tiny_simclr.yaml'}\n{body}")
+    return path
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("name: ../../../escaped_run\n", "must be one folder name"),
+        ("train:\n  output_dir: /tmp/escaped_run\n", "is an absolute path"),
+        ("train:\n  output_dir: outputs/${name}/../../../escaped_run\n", "is a '..' component"),
+        ("data:\n  root: ${oc.env:SECRET_TOKEN}\n", "calls a resolver"),
+    ],
+)
+def test_a_recipe_cannot_write_outside_or_store_the_environment(body, expected, tmp_path, monkeypatch):
+    from pretrain.__main__ import main
+
+    monkeypatch.setenv("SECRET_TOKEN", "s3cr3t-value")
+    monkeypatch.chdir(tmp_path)
+    recipe = _recipe(tmp_path, body)
+    line = exit_line(lambda: main(["--config", str(recipe), "--print-config"]), recipe)
+    assert expected in line and "s3cr3t-value" not in line
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["downloaded.yaml", "recipes"]  # nothing written
+    assert not Path("/tmp/escaped_run").exists()
+
+
+def test_an_override_may_not_call_the_environment_either(tmp_path, monkeypatch):
+    from pretrain.config import ConfigError, load_config
+
+    monkeypatch.setenv("SECRET_TOKEN", "s3cr3t-value")
+    with pytest.raises(ConfigError, match="calls a resolver"):
+        load_config(REPO / "configs" / "pretrain" / "tiny_simclr.yaml", ["data.root=${oc.env:SECRET_TOKEN}"])
+
+
+def _places(synthetic_root: Path, tmp_path: Path, line: str) -> Path:
+    from transfer.datasets.readers import PLACES205_LISTS
+
+    root = tmp_path / "places205"
+    shutil.copytree(synthetic_root / "places205", root)
+    listing = root / PLACES205_LISTS / "train_places205.csv"
+    listing.write_text(listing.read_text() + line + "\n")
+    return root
+
+
+@pytest.mark.parametrize("listed", ["../../../../etc/hostname 0", "/etc/hostname 0"])
+def test_places205_lists_stay_inside_their_root(listed, synthetic_root, tmp_path):
+    from transfer.datasets.readers import read_places205
+
+    root = _places(synthetic_root, tmp_path, listed)
+    with pytest.raises(PathEscapeError) as e:
+        read_places205(root, "train")
+    assert "\n" not in str(e.value) and "train_places205.csv" in str(e.value) and listed.split()[0] in str(e.value)
+
+
+def test_voc_split_ids_stay_inside_their_root(synthetic_root, tmp_path):
+    from transfer.datasets.readers import read_voc_labels
+
+    voc = tmp_path / "VOC2007"
+    shutil.copytree(synthetic_root / "VOC2007", voc)
+    for f in (voc / "ImageSets" / "Main").glob("*_trainval.txt"):
+        f.write_text(f.read_text() + "../../../etc/passwd -1\n")
+    with pytest.raises(PathEscapeError, match=r"'\.\./\.\./\.\./etc/passwd'.*'\.\.' component"):
+        read_voc_labels(voc, "trainval")
+
+
+def test_detection_lists_stay_inside_their_root(detection, synthetic_root, tmp_path):
+    from transfer.detection.datasets import check_datasets, register_datasets
+
+    root = tmp_path / "data"
+    shutil.copytree(synthetic_root / "coco", root / "coco")
+    shutil.copytree(synthetic_root / "VOC2007", root / "VOC2007")
+    coco = root / "coco" / "annotations" / "instances_val2017.json"
+    data = json.loads(coco.read_text())
+    data["images"][0]["file_name"] = "/etc/hostname"  # accepted as a COCO image before issue 27
+    coco.write_text(json.dumps(data))
+    split = root / "VOC2007" / "ImageSets" / "Main" / "test.txt"
+    split.write_text(split.read_text() + "../../../../etc/hostname\n")
+    register_datasets(root)
+    try:
+        with pytest.raises(PathEscapeError, match="'/etc/hostname' is an absolute path"):
+            check_datasets(["coco_2017_val"], root, load=True)
+        with pytest.raises(PathEscapeError, match=r"test\.txt: image id '\.\./\.\./\.\./\.\./etc/hostname'"):
+            check_datasets(["voc_2007_test"], root, load=True)
+    finally:
+        register_datasets()
+
+
+def test_a_detection_config_cannot_send_its_output_outside(detection, synthetic_root, tmp_path):
+    *_, main = detection
+    config = tmp_path / "downloaded.yaml"
+    config.write_text(f"_BASE_: {TINY_VOC}\nOUTPUT_DIR: ../../../escaped_detection\n")
+    exit_line(lambda: main(["--config-file", str(config), "--data-root", str(synthetic_root)]), config)
+    assert not (tmp_path.parents[2] / "escaped_detection").exists()
+
+
+# ------------------------------------------------------------------------------ nothing silently wrong
+
+
+def _convert(src: Path, tmp_path: Path, capsys) -> str:
+    out = tmp_path / "out.pth"
+    assert to_torchvision.main([str(src), str(out)]) == 1
+    assert not out.exists()
+    return one_line(capsys.readouterr().err, src)
+
+
+def test_non_finite_weights_are_refused(tmp_path, resnet18_state, capsys):
+    state = dict(resnet18_state)
+    state["layer3.0.conv1.weight"] = torch.full_like(state["layer3.0.conv1.weight"], float("nan"))
+    torch.save(state, tmp_path / "nan.pth")
+    assert "layer3.0.conv1.weight holds 294912 non-finite values" in _convert(tmp_path / "nan.pth", tmp_path, capsys)
+
+
+def test_a_wrapped_and_a_plain_copy_of_one_key_are_a_collision(tmp_path, resnet18_state, capsys):
+    state = {**resnet18_state, **{f"module.{k}": torch.zeros_like(v) for k, v in resnet18_state.items()}}
+    torch.save({"state_dict": state}, tmp_path / "two_copies.pth")
+    line = _convert(tmp_path / "two_copies.pth", tmp_path, capsys)
+    assert "both read as 'conv1.weight'" in line and "two copies" in line
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta", "integer"])
+def test_tensors_must_be_dense_floating_point(kind, tmp_path, resnet18_state, capsys):
+    state = dict(resnet18_state)
+    w = state["layer1.0.conv1.weight"]
+    state["layer1.0.conv1.weight"] = {
+        "sparse": w.to_sparse(),
+        "meta": torch.empty(w.shape, device="meta"),
+        "integer": w.to(torch.int32),
+    }[kind]
+    torch.save(state, tmp_path / f"{kind}.pth")
+    line = _convert(tmp_path / f"{kind}.pth", tmp_path, capsys)
+    assert "layer1.0.conv1.weight" in line and ("dense" in line or "floating point" in line)
+
+
+def test_detection_weights_with_nan_are_refused(detection, tmp_path):
+    config, *_ = detection
+    path = tmp_path / "nan.pkl"
+    path.write_bytes(pickle.dumps({"model": {"w": np.full(3, np.nan, np.float32)}, "__author__": "x"}))
+    with pytest.raises(config.ConfigError, match="w holds non-finite values"):
+        config.read_weights(str(path))
+
+
+def test_an_image_folder_with_a_symlink_loop_is_scanned_once(tmp_path):
+    from pretrain.data import _scan
+    from transfer.datasets.readers import read_image_folder
+
+    for cls in ("a", "b"):
+        (tmp_path / "data" / cls).mkdir(parents=True)
+        for i in range(2):
+            (tmp_path / "data" / cls / f"{i}.jpg").write_bytes(b"x")
+    (tmp_path / "data" / "a" / "loop").symlink_to(tmp_path / "data" / "a")  # a/loop/loop/... without end
+    (tmp_path / "data" / "b" / "again").symlink_to(tmp_path / "data" / "a")  # a's images a second time
+    assert len(read_image_folder(tmp_path / "data")) == 4
+    samples, classes = _scan(tmp_path / "data")
+    assert len(samples) == 4 and classes == ["a", "b"]

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.datasets.folder import find_classes, make_dataset, IMG_EXTENSIONS
+from torchvision.datasets.folder import find_classes, IMG_EXTENSIONS
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.paths import inside, scan_image_folder
 
 PLACES205_LISTS = "trainvalsplit_places205"
 PLACES205_IMAGES = "data/vision/torralba/deeplearning/images256"
@@ -63,7 +64,7 @@ def read_image_folder(root: str | os.PathLike) -> ImageList:
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: not a directory (expected an ImageFolder root <class>/<image>)")
     classes, class_to_idx = find_classes(str(root))
-    samples = make_dataset(str(root), class_to_idx, extensions=IMG_EXTENSIONS)
+    samples = scan_image_folder(root, class_to_idx, IMG_EXTENSIONS)  # each directory once: no link loop
     return ImageList([p for p, _ in samples], [y for _, y in samples], classes)
 
 
@@ -82,7 +83,7 @@ def read_places205(root: str | os.PathLike, split: str) -> ImageList:
         parts = line.split()
         if len(parts) != 2 or not parts[1].lstrip("-").isdigit() or int(parts[1]) < 0:
             raise DatasetError(f"{listing}:{n}: expected '<relative/path.jpg> <label >= 0>', got {line!r}")
-        paths.append(str(root / PLACES205_IMAGES / parts[0]))
+        paths.append(str(inside(root / PLACES205_IMAGES, parts[0], f"{listing}:{n}")))
         labels.append(int(parts[1]))
     if not paths:
         raise DatasetError(f"{listing}: no images listed")
@@ -135,7 +136,7 @@ def read_voc_labels(voc_root: str | os.PathLike, split: str) -> VocLabels:
             raise DatasetError(f"{path}: lists other image ids (or another order) than {files[0]}")
         columns.append([int(r[1]) for r in rows])
     labels = np.asarray(columns, dtype=np.int8).T
-    paths = [str(voc_root / "JPEGImages" / f"{i}.jpg") for i in ids]
+    paths = [str(inside(voc_root / "JPEGImages", f"{i}.jpg", f"{files[0]}: image id {i!r}")) for i in ids]
     missing = next((p for p in paths if not os.path.isfile(p)), None)
     if missing is not None:
         raise FileNotFoundError(f"{missing}: image listed in {files[0]} is missing")

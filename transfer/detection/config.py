@@ -22,12 +22,14 @@ import pickle
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 from detectron2.config import CfgNode, get_cfg
 from yacs.config import CfgNode as _YacsNode
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.paths import escapes
 from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
 from transfer.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
 
@@ -188,6 +190,13 @@ def build_config(config_file: str, opts: list[str], world_size: int = 1) -> tupl
             cfg.merge_from_list([key, value])
         except (KeyError, ValueError, AssertionError) as e:
             raise _explain(e, f"override {key} {value}") from None
+    why = escapes(cfg.OUTPUT_DIR)
+    if why is not None and "OUTPUT_DIR" not in {k for k, _ in pairs}:
+        # a config file from elsewhere may not write outside the working directory; the command line may
+        raise ConfigError(
+            f"{config_file}: OUTPUT_DIR {cfg.OUTPUT_DIR!r} is {why}: a config file's output stays inside the "
+            "working directory; give another location on the command line (OUTPUT_DIR PATH) if you mean it"
+        )
     notes = scale_schedule(cfg, reference_batch, {k for k, _ in pairs})
     notes += choose_device(cfg, world_size)
     notes += resolve_sync_norm(cfg, world_size)
@@ -244,4 +253,11 @@ def read_weights(path: str) -> dict:
         model = data.get("model", data) if isinstance(data, dict) else None
     if not isinstance(model, dict) or not any(hasattr(v, "shape") for v in model.values()):
         raise ConfigError(f"MODEL.WEIGHTS {path}: holds no tensors; {hint}")
+    for name, value in model.items():  # NaN weights would train (or evaluate) to garbage without a word
+        if isinstance(value, torch.Tensor):
+            finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
+        else:
+            finite = not (isinstance(value, np.ndarray) and value.dtype.kind == "f") or bool(np.isfinite(value).all())
+        if not finite:
+            raise ConfigError(f"MODEL.WEIGHTS {path}: {name} holds non-finite values (NaN or inf); use other weights")
     return model

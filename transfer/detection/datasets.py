@@ -27,6 +27,7 @@ from detectron2.data.datasets.pascal_voc import CLASS_NAMES as VOC_CLASS_NAMES
 from detectron2.data.datasets.pascal_voc import load_voc_instances
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.paths import inside
 
 
 class DatasetError(UserError, FileNotFoundError):
@@ -85,7 +86,7 @@ def _checked(name: str, source: Path, records: list[dict]) -> list[dict]:
     return records
 
 
-def _check_coco_json(name: str, path: Path) -> None:
+def _check_coco_json(name: str, path: Path, image_root: Path) -> None:
     """The fields detectron2 reads, present and consistent, before it reads them."""
     try:
         data = json.loads(path.read_text())
@@ -97,6 +98,9 @@ def _check_coco_json(name: str, path: Path) -> None:
             f"dataset {name}: {path} has no {' / '.join(repr(k) for k in missing)} list "
             "(a COCO instances file needs images, annotations and categories)"
         )
+    for image in data["images"]:  # detectron2 joins file_name to the image folder: it may not leave it
+        if isinstance(image, dict) and "file_name" in image:
+            inside(image_root, str(image["file_name"]), f"dataset {name}: {path}: image {image.get('id')}")
     images = {image.get("id") for image in data["images"]}
     categories = {category.get("id") for category in data["categories"]}
     for ann in data["annotations"]:
@@ -130,7 +134,10 @@ class VocSplit:
 
     def load(self, name: str, root: Path) -> list[dict]:
         base = root / self.folder
-        ids = (base / "ImageSets" / "Main" / f"{self.split}.txt").read_text().split()
+        listing = base / "ImageSets" / "Main" / f"{self.split}.txt"
+        ids = listing.read_text().split()
+        for image_id in ids:  # ids join Annotations/ and JPEGImages/: none may lead outside them
+            inside(base / "Annotations", f"{image_id}.xml", f"dataset {name}: {listing}: image id {image_id!r}")
         for image_id in ids:  # load_voc_instances would stop at the first one with a bare errno
             if not (base / "Annotations" / f"{image_id}.xml").is_file():
                 raise DatasetError(
@@ -162,7 +169,7 @@ class CocoSplit:
         return [root / self.json_file, root / self.image_dir]
 
     def load(self, name: str, root: Path) -> list[dict]:
-        _check_coco_json(name, root / self.json_file)
+        _check_coco_json(name, root / self.json_file, root / self.image_dir)
         return _checked(
             name, root / self.json_file, load_coco_json(str(root / self.json_file), str(root / self.image_dir), name)
         )
