@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from contrastive_transfer.cli import UserError
 
-__all__ = ["PathEscapeError", "escapes", "inside", "check_run_name", "scan_image_folder"]
+__all__ = ["PathEscapeError", "escapes", "inside", "check_run_name", "scan_image_folder", "read_text"]
 
 
 class PathEscapeError(UserError, ValueError):
@@ -95,3 +95,17 @@ def scan_image_folder(directory: str | os.PathLike, class_to_idx: dict[str, int]
             f"Supported extensions are: {', '.join(extensions)}"
         )
     return instances
+
+
+class NotTextError(UserError, ValueError):
+    """A list or log file that is not UTF-8 text."""
+
+
+def read_text(path: str | os.PathLike, what: str = "file") -> str:
+    """The file as UTF-8 text; NotTextError (one line, naming the file and the byte) otherwise."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NotTextError(
+            f"{path}: the {what} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
+        ) from None

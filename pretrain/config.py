@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, STEMS
 from contrastive_transfer.paths import check_run_name, escapes
+from contrastive_transfer.yaml_limits import compose as compose_yaml
 
 
 class ConfigError(UserError, ValueError):
@@ -141,6 +142,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
         raise ConfigError(f"config file {path} does not exist")
     if path in seen:
         raise ConfigError(f"config file {path}: circular _base_ chain {' -> '.join(map(str, seen))}")
+    compose_yaml(path)  # aliases bounded and UTF-8 before OmegaConf builds the tree
     try:
         cfg = OmegaConf.load(path)
     except Exception as e:  # yaml errors carry the line

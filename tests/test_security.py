@@ -19,6 +19,7 @@ import torch
 import torchvision
 
 from contrastive_transfer import safe_load
+from contrastive_transfer.cli import UserError
 from contrastive_transfer.paths import PathEscapeError
 from converters import legacy_to_safe, to_detectron2, to_torchvision
 
@@ -493,3 +494,188 @@ def test_an_image_folder_with_a_symlink_loop_is_scanned_once(tmp_path):
     assert len(read_image_folder(tmp_path / "data")) == 4
     samples, classes = _scan(tmp_path / "data")
     assert len(samples) == 4 and classes == ["a", "b"]
+
+
+# ------------------------------------------------------------------------ one line for each bad input
+
+
+def bomb_png(path: Path) -> Path:
+    """69 bytes whose header claims 100000 x 100000 pixels."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    )
+    return path
+
+
+def test_a_decompression_bomb_is_one_line_in_process_and_from_a_worker(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from contrastive_transfer.cli import describe
+    from transfer.datasets.readers import read_image_folder
+
+    (tmp_path / "data" / "cls").mkdir(parents=True)
+    bomb = bomb_png(tmp_path / "data" / "cls" / "bomb.png")
+    images = read_image_folder(tmp_path / "data")
+    with pytest.raises(OSError) as e:
+        images[0]
+    assert "\n" not in describe(e.value) and str(bomb) in describe(e.value) and "pixels" in describe(e.value)
+    with pytest.raises(OSError) as e:  # the 17-line "error" of a worker, collapsed to its own line
+        next(iter(DataLoader(images, num_workers=1, collate_fn=lambda batch: batch)))
+    assert "\n" in str(e.value)  # torch puts the worker's traceback in the message...
+    line = describe(e.value)  # ...and the one line of `error: ...` is the worker's own
+    assert "\n" not in line and line.startswith(f"cannot read image {bomb}"), line
+
+
+BILLION_LAUGHS = """<?xml version="1.0"?>
+<!DOCTYPE lolz [<!ENTITY lol "lol"><!ENTITY lol2 "&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;">]>
+<annotation><size><width>10</width><height>10</height></size><object><name>&lol2;</name></object></annotation>
+"""
+
+
+@pytest.mark.parametrize(
+    "xml, expected",
+    [
+        (BILLION_LAUGHS, "refused (EntitiesForbidden"),
+        ("<annotation><object><name>dog</name></object></annotation>", "no <size> with integer"),
+        (
+            "<annotation><size><width>9</width><height>9</height></size><object><name>unicorn</name>"
+            "<bndbox><xmin>1</xmin><ymin>1</ymin><xmax>5</xmax><ymax>5</ymax></bndbox></object></annotation>",
+            "object class 'unicorn' is not one of the 20 VOC classes",
+        ),
+        ("<annotation><size><width>9</width>", "refused (ParseError"),
+    ],
+)
+def test_bad_voc_xml_is_one_line(detection, xml, expected, synthetic_root, tmp_path):
+    from transfer.detection.datasets import DatasetError, check_datasets, register_datasets
+
+    voc = tmp_path / "data" / "VOC2007"
+    shutil.copytree(synthetic_root / "VOC2007", voc)
+    first = (voc / "ImageSets" / "Main" / "test.txt").read_text().split()[0]
+    (voc / "Annotations" / f"{first}.xml").write_text(xml)
+    register_datasets(tmp_path / "data")
+    try:
+        with pytest.raises(DatasetError) as e:
+            check_datasets(["voc_2007_test"], tmp_path / "data", load=True)
+    finally:
+        register_datasets()
+    assert "\n" not in str(e.value) and f"{first}.xml" in str(e.value) and expected in str(e.value), str(e.value)
+
+
+def test_a_voc_split_of_one_id_loads(detection, synthetic_root, tmp_path):
+    from detectron2.data import DatasetCatalog
+
+    from transfer.detection.datasets import register_datasets
+
+    voc = tmp_path / "data" / "VOC2007"
+    shutil.copytree(synthetic_root / "VOC2007", voc)
+    split = voc / "ImageSets" / "Main" / "test.txt"
+    split.write_text(split.read_text().split()[0] + "\n")  # np.loadtxt made this a 0-d array
+    register_datasets(tmp_path / "data")
+    try:
+        assert len(DatasetCatalog.get("voc_2007_test")) == 1
+    finally:
+        register_datasets()
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda d: [d], "holds a list, expected a COCO instances object"),
+        (lambda d: d["images"][0].pop("height") and d, "images[0] lacks 'height'"),
+        (lambda d: d["annotations"][0].pop("bbox") and d, "annotations[0] lacks 'bbox'"),
+        (lambda d: d["categories"].append({"id": 999, "name": "unicorn"}) or d, "category ids [999]"),
+        (lambda d: d["annotations"].insert(0, "x") or d, "annotations[0] not an object"),
+    ],
+)
+def test_bad_coco_json_is_one_line(detection, change, expected, synthetic_root, tmp_path):
+    from transfer.detection.datasets import DatasetError, check_datasets, register_datasets
+
+    root = tmp_path / "data"
+    shutil.copytree(synthetic_root / "coco", root / "coco")
+    path = root / "coco" / "annotations" / "instances_val2017.json"
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    register_datasets(root)
+    try:
+        with pytest.raises(DatasetError) as e:
+            check_datasets(["coco_2017_val"], root, load=True)
+    finally:
+        register_datasets()
+    assert "\n" not in str(e.value) and str(path) in str(e.value) and expected in str(e.value), str(e.value)
+
+
+def test_coco_json_that_is_not_utf8_is_one_line(detection, synthetic_root, tmp_path):
+    from transfer.detection.datasets import DatasetError, check_datasets, register_datasets
+
+    root = tmp_path / "data"
+    shutil.copytree(synthetic_root / "coco", root / "coco")
+    path = root / "coco" / "annotations" / "instances_val2017.json"
+    path.write_bytes(b'{"images": "\xff\xfe"}')
+    register_datasets(root)
+    try:
+        with pytest.raises(DatasetError, match="is not UTF-8 text") as e:
+            check_datasets(["coco_2017_val"], root, load=True)
+    finally:
+        register_datasets()
+    assert "\n" not in str(e.value)
+
+
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(7)
+)
+
+
+def test_nested_yaml_aliases_are_refused_before_they_expand(detection, tmp_path):
+    import time
+
+    from pretrain.__main__ import main as pretrain_main
+
+    recipe = tmp_path / "aliases.yaml"
+    recipe.write_text(
+        f"_base_: {REPO / 'configs' / 'pretrain' / 'tiny_simclr.yaml'}\nmethod:\n  x:\n"
+        + "".join(f"    {line}\n" for line in ALIAS_BOMB.splitlines())
+    )
+    start = time.perf_counter()
+    line = exit_line(lambda: pretrain_main(["--config", str(recipe), "--print-config"]), recipe)
+    assert "anchors and aliases" in line and time.perf_counter() - start < 5
+    *_, main = detection
+    evil = tmp_path / "evil_base.yaml"
+    evil.write_text(ALIAS_BOMB)
+    config = tmp_path / "innocent.yaml"
+    config.write_text(f"_BASE_: [{TINY_VOC}, evil_base.yaml]\n")
+    exit_line(lambda: main(["--config-file", str(config), "--data-root", str(tmp_path)]), evil)
+
+
+def test_files_that_are_not_utf8_are_one_line(synthetic_root, tmp_path):
+    from pretrain.analysis.__main__ import main as analysis
+    from transfer.datasets.readers import read_places205, read_voc_labels
+
+    places = _places(synthetic_root, tmp_path, "")
+    listing = next((places / "trainvalsplit_places205").glob("train_*.csv"))
+    listing.write_bytes(b"a/abbey/\xff.jpg 0\n")
+    with pytest.raises(UserError, match="Places205 list is not UTF-8 text") as e:
+        read_places205(places, "train")
+    assert str(listing) in str(e.value)
+    voc = tmp_path / "VOC2007"
+    shutil.copytree(synthetic_root / "VOC2007", voc)
+    (voc / "ImageSets" / "Main" / "dog_trainval.txt").write_bytes(b"\xfe\xff 1\n")
+    with pytest.raises(UserError, match="dog_trainval.txt: the VOC class file is not UTF-8"):
+        read_voc_labels(voc, "trainval")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": \xff}\n')
+    exit_line(lambda: analysis(["curves", str(tmp_path / "run")]), tmp_path / "run" / "metrics.jsonl")
+
+
+def test_npc_on_a_checkpoint_whose_config_lacks_keys_is_one_line(tmp_path):
+    from pretrain.analysis.__main__ import main as analysis
+
+    src = tmp_path / "checkpoint_last.pth"
+    torch.save({"method": {}, "optimizer": {}, "step": 1, "config": {"method": {"name": "simclr"}}}, src)
+    line = exit_line(lambda: analysis(["npc", str(src)]), src)
+    assert "cannot rebuild simclr" in line

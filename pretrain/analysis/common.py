@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
 from contrastive_transfer.cli import UserError, atomic_write
@@ -101,7 +102,14 @@ def rebuild_method(state: dict, path: str | os.PathLike) -> tuple[nn.Module, Any
     name = OmegaConf.select(cfg, "method.name")
     if name not in METHODS:
         raise AnalysisError(f"checkpoint {path}: method.name={name!r} is not one of {sorted(METHODS)}")
-    method = METHODS[name](cfg, 1)
+    try:  # a config from another version (or hand-edited) may lack keys the method reads
+        method = METHODS[name](cfg, 1)
+    except (OmegaConfBaseException, KeyError, AttributeError, TypeError, ValueError) as e:
+        first = (" ".join(str(e).split()) or type(e).__name__)[:200]
+        raise AnalysisError(
+            f"checkpoint {path}: its config cannot rebuild {name} ({type(e).__name__}: {first}); "
+            "use a checkpoint_last.pth written by this version of the project"
+        ) from None
     try:
         method.load_state_dict(state["method"])
     except RuntimeError as e:

@@ -20,7 +20,8 @@ from torch.utils.data import Dataset
 from torchvision.datasets.folder import find_classes, IMG_EXTENSIONS
 
 from contrastive_transfer.cli import UserError
-from contrastive_transfer.paths import inside, scan_image_folder
+from contrastive_transfer.images import open_rgb
+from contrastive_transfer.paths import inside, read_text, scan_image_folder
 
 PLACES205_LISTS = "trainvalsplit_places205"
 PLACES205_IMAGES = "data/vision/torralba/deeplearning/images256"
@@ -43,11 +44,7 @@ class ImageList(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int):
-        try:
-            with Image.open(self.paths[i]) as im:
-                image = im.convert("RGB")
-        except OSError as e:
-            raise OSError(f"cannot read image {self.paths[i]}: {e}") from None
+        image = open_rgb(self.paths[i])  # OSError naming the file, decompression bombs included
         return (self.transform(image) if self.transform is not None else image), self.labels[i]
 
     def fingerprint(self) -> str:
@@ -77,7 +74,7 @@ def read_places205(root: str | os.PathLike, split: str) -> ImageList:
         raise FileNotFoundError(f"{listing}: missing (expected the Places205 file list "
                                 f"{PLACES205_LISTS}/{{train,val}}_places205.csv under --data-root)")
     paths, labels = [], []
-    for n, line in enumerate(listing.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(listing, "Places205 list").splitlines(), 1):
         if not line.strip():
             continue
         parts = line.split()
@@ -125,7 +122,7 @@ def read_voc_labels(voc_root: str | os.PathLike, split: str) -> VocLabels:
     ids: list[str] | None = None
     columns = []
     for path in files:
-        rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+        rows = [line.split() for line in read_text(path, "VOC class file").splitlines() if line.strip()]
         bad = next((r for r in rows if len(r) != 2 or r[1] not in ("1", "-1", "0")), None)
         if bad is not None:
             raise DatasetError(f"{path}: expected lines '<image id> <1|-1|0>', got {' '.join(bad)!r}")

@@ -31,6 +31,7 @@ from yacs.config import CfgNode as _YacsNode
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.paths import escapes
 from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
+from contrastive_transfer.yaml_limits import check_yaml
 from transfer.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
 
 
@@ -174,6 +175,7 @@ def build_config(config_file: str, opts: list[str], world_size: int = 1) -> tupl
     and the notices to log."""
     if not Path(config_file).is_file():
         raise ConfigError(f"--config-file {config_file}: no such file")
+    check_yaml(config_file, base_key="_BASE_")  # aliases bounded along the chain, before fvcore builds it
     cfg = get_cfg()
     try:
         # allow_unsafe=False along the whole _BASE_ chain: detectron2's default (True) makes fvcore
