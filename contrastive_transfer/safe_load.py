@@ -140,11 +140,23 @@ def _numpy_rng_globals() -> list[Any]:
     # np.random.get_state() is a tuple ('MT19937', uint32 ndarray, pos, has_gauss, cached): pickled
     # with numpy's array reconstruction. Checkpoints written before the RNG state was stored as a
     # list need exactly these to load; nothing else of numpy is allowed.
+    return [_multiarray()._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _multiarray() -> Any:
+    try:  # numpy >= 2 (numpy.core still imports there, with a deprecation warning)
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    return multiarray
+
+
+def _numeric() -> Any:
     try:
-        from numpy._core.multiarray import _reconstruct  # numpy >= 2
-    except ImportError:  # pragma: no cover - numpy 1.x
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+        from numpy._core import numeric
+    except ImportError:  # numpy 1.x
+        from numpy.core import numeric  # type: ignore[no-redef]
+    return numeric
 
 
 NUMPY_RNG_GLOBALS: list[Any] = _numpy_rng_globals()
@@ -170,8 +182,7 @@ def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = ()) -> An
 
 
 def _allowed_pickle_globals() -> dict[tuple[str, str], Callable[..., Any]]:
-    from numpy._core import multiarray, numeric
-
+    multiarray, numeric = _multiarray(), _numeric()
     table: dict[tuple[str, str], Callable[..., Any]] = {
         ("collections", "OrderedDict"): OrderedDict,
         ("numpy", "ndarray"): np.ndarray,

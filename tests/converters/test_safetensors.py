@@ -81,6 +81,11 @@ def test_changed_weights_and_absurd_sizes_are_refused(final, tmp_path):
     torch.save(record, tmp_path / "changed.pth")
     with pytest.raises(CheckpointError, match="do not match the weights_sha256"):
         load_backbone(tmp_path / "changed.pth")
+    record = torch.load(final, weights_only=True)
+    record["image_size"] = 10**6  # --crop auto would evaluate at a million pixels a side
+    torch.save(record, tmp_path / "huge.pth")
+    with pytest.raises(CheckpointError, match="image_size=1000000 recorded, expected an integer from 1 to 4096"):
+        load_backbone(tmp_path / "huge.pth")
     sd = _small_stem_resnet18()
     meta = {"format": "contrastive-transfer/torchvision-safetensors/v1", "image_size": str(10**9)}
     save_file(sd, str(tmp_path / "huge.safetensors"), metadata=meta)
