@@ -679,3 +679,14 @@ def test_npc_on_a_checkpoint_whose_config_lacks_keys_is_one_line(tmp_path):
     torch.save({"method": {}, "optimizer": {}, "step": 1, "config": {"method": {"name": "simclr"}}}, src)
     line = exit_line(lambda: analysis(["npc", str(src)]), src)
     assert "cannot rebuild simclr" in line
+
+
+def test_the_defusedxml_voc_reader_builds_detectron2s_records(detection, synthetic_root):
+    from detectron2.data.datasets.pascal_voc import CLASS_NAMES, load_voc_instances
+
+    from transfer.detection.datasets import _voc_record
+
+    voc = synthetic_root / "VOC2007"
+    reference = load_voc_instances(str(voc), "test", CLASS_NAMES)
+    ours = [_voc_record("voc_2007_test", voc, str(r["image_id"])) for r in reference]
+    assert ours == reference and sum(len(r["annotations"]) for r in ours) > 0
