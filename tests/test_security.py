@@ -366,6 +366,16 @@ def test_a_recipe_cannot_write_outside_or_store_the_environment(body, expected, 
     assert not Path("/tmp/escaped_run").exists()
 
 
+def test_an_augmentation_preset_is_a_name_not_a_path(tmp_path):
+    from pretrain.config import ConfigError, load_config
+
+    (tmp_path / "evil.yaml").write_text("views: []\n")
+    relative = f"../../../../../../..{tmp_path}/evil"  # configs/augment/<this>.yaml is tmp_path/evil.yaml
+    with pytest.raises(ConfigError, match="expected a preset name in .*, not a path") as e:
+        load_config(REPO / "configs" / "pretrain" / "tiny_simclr.yaml", [f"data.augmentation={relative}"])
+    assert "\n" not in str(e.value) and relative in str(e.value)
+
+
 def test_an_override_may_not_call_the_environment_either(tmp_path, monkeypatch):
     from pretrain.config import ConfigError, load_config
 
