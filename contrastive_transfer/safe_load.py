@@ -11,7 +11,7 @@ Every file is untrusted (docs/security.md). The anchors of trust are not ours:
   ``_codecs.encode`` (protocol-2 pickles of model-zoo files); anything else is refused before it is
   imported, let alone called. Our checks and detectron2's checkpointer in the training processes
   (``transfer.detection.trainer``) use this same function.
-- ``.safetensors`` files (``safetensors.torch.load_file``) hold tensors and string metadata only.
+- ``.safetensors`` files hold tensors and string metadata only (read by ``converters.checkpoint_io``).
 
 A user who trusts a legacy file converts it once with ``python -m converters.legacy_to_safe``
 (the only place in the project that unpickles without restriction, behind an explicit flag).
@@ -125,12 +125,19 @@ def unsafe_globals(path: str | os.PathLike, allowed: Iterable[str] = ()) -> list
         data = Path(path).read_bytes()
     except OSError:
         return []
-    allowed_set = set(allowed) | _TORCH_DATA_GLOBALS
-    return [g for g in pickle_globals(data) if g not in allowed_set and not g.startswith("torch.")]
+    allowed_set = set(allowed) | _torch_data_globals()
+    return [g for g in pickle_globals(data) if g not in allowed_set]
 
 
-# What torch's legacy (non-zip) format itself refers to; not code the file chose.
-_TORCH_DATA_GLOBALS = {"collections.OrderedDict", "builtins.set", "builtins.frozenset", "builtins.bytearray"}
+def _torch_data_globals() -> set[str]:
+    """What torch's weights-only loader allows (tensor rebuilding, storages, containers): only used
+    to leave those out of the message; whether a file loads is decided by torch.load itself."""
+    try:  # a private table of torch; without it, the storages of the legacy format are listed too
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        return set(_get_allowed_globals())
+    except Exception:
+        return {"collections.OrderedDict", "torch._utils._rebuild_tensor_v2"}
 
 
 # ----------------------------------------------------------------------------------- torch files

@@ -700,3 +700,13 @@ def test_the_defusedxml_voc_reader_builds_detectron2s_records(detection, synthet
     reference = load_voc_instances(str(voc), "test", CLASS_NAMES)
     ours = [_voc_record("voc_2007_test", voc, str(r["image_id"])) for r in reference]
     assert ours == reference and sum(len(r["annotations"]) for r in ours) > 0
+
+
+def test_the_legacy_torch_format_is_refused_naming_the_global_too(tmp_path, marker):
+    """torch.save(_use_new_zipfile_serialization=False) writes several pickles one after another:
+    get_unsafe_globals_in_checkpoint cannot read it, the opcode scan names the payload."""
+    src = tmp_path / "legacy.pth"
+    torch.save({"w": torch.ones(2), "x": Payload(marker)}, src, _use_new_zipfile_serialization=False)
+    with pytest.raises(safe_load.UnsafeFileError, match=r"refers to (posix|nt)\.system beyond plain data"):
+        safe_load.torch_load(src)
+    assert not marker.exists()
