@@ -39,8 +39,23 @@ class UserError(Exception):
     """An expected failure, reported as one line: what happened, where, what to do."""
 
 
+def _worker_error(error: BaseException) -> str | None:
+    """The original one line of an error re-raised from a DataLoader worker: torch re-raises it in
+    the main process with the worker's whole traceback as its message ("Caught OSError in DataLoader
+    worker process 0. Original Traceback ...")."""
+    text = str(error)
+    if "in DataLoader worker process" not in text or "Original Traceback" not in text:
+        return None
+    last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+    prefix = f"{type(error).__name__}: "
+    return last[len(prefix) :] if last.startswith(prefix) else last
+
+
 def describe(error: BaseException) -> str:
     """One line for an expected failure; an OSError names its path and the system's reason."""
+    original = _worker_error(error)
+    if original is not None:
+        return " ".join(original.split())
     if isinstance(error, OSError) and not isinstance(error, UserError):
         where = f" {error.filename}" if error.filename else ""
         reason = error.strerror or str(error)

@@ -11,6 +11,8 @@ Both files a pretraining run writes carry the same record at their top level::
     momentum_backbone  the same for the momentum (key) encoder, or None
     arch, stem         e.g. "resnet50", "imagenet" (7x7/2 conv + max-pool) | "small" (3x3/1, no max-pool)
     image_size         the pretraining crop in pixels (evaluators use it for --crop auto)
+    weights_sha256     ``weights_sha256(backbone)``: evaluators repeat it in metrics.json, so a
+                       figure names exactly the weights it measured (absent in older files)
     method, step, git_sha, config
 
 ``checkpoint_final.pth`` is the record alone. ``checkpoint_last.pth`` (and ``checkpoint_prev.pth``)
@@ -69,9 +71,11 @@ def backbone_record(
     def cpu(sd):
         return None if sd is None else {k: v.detach().cpu() for k, v in sd.items()}
 
+    weights = cpu(backbone)
     return {
         "format": BACKBONE_FORMAT,
-        "backbone": cpu(backbone),
+        "backbone": weights,
+        "weights_sha256": weights_sha256(weights),
         "momentum_backbone": cpu(momentum_backbone),
         "arch": arch,
         "stem": stem,
@@ -81,6 +85,24 @@ def backbone_record(
         "git_sha": git_sha,
         "config": config,
     }
+
+
+def weights_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """A digest of the weights themselves, not of the file that holds them: the same tensors give the
+    same digest in checkpoint_final.pth, a converted .pth or .safetensors and an evaluator's
+    metrics.json. Over the names in sorted order, each with its dtype, shape and bytes; floating
+    tensors as float32 (what every reader evaluates)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu()
+        t = (t.float() if t.is_floating_point() else t).contiguous()
+        digest.update(f"{name}|{str(t.dtype)}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def read_backbone_record(ckpt: object, source: str) -> dict[str, Any] | None:

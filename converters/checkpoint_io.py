@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import pickle
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,10 +24,18 @@ from pathlib import Path
 
 import torch
 import torchvision
+from safetensors import safe_open
 from torch import nn
 
 from contrastive_transfer.cli import UserError
-from contrastive_transfer.contract import TRAINING_STATE_KEYS, FormatError, pretraining_image_size, read_backbone_record
+from contrastive_transfer.contract import (
+    TRAINING_STATE_KEYS,
+    FormatError,
+    pretraining_image_size,
+    read_backbone_record,
+    weights_sha256,
+)
+from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
 from converters.layouts import ENCODERS, LAYOUTS, Layout  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -49,6 +56,7 @@ class Backbone:
     source: str = ""  # the input path
     encoder: str = "query"  # which encoder was read: "query" | "key"
     image_size: int | None = None  # the pretraining crop, when the checkpoint records it (this project's)
+    weights_sha256: str = ""  # contract.weights_sha256 of state_dict: metrics.json names the weights by it
 
     @property
     def depth(self) -> int:
@@ -127,10 +135,21 @@ def _container(ckpt, path: str) -> dict[str, torch.Tensor] | None:
     if not isinstance(obj, Mapping):
         return None
     tensors: dict[str, torch.Tensor] = {}
+    original: dict[str, str] = {}
     for k, v in obj.items():
         if isinstance(k, str) and isinstance(v, torch.Tensor):
-            tensors.setdefault(_unwrap(k), v)
+            name = _unwrap(k)
+            if name in tensors:  # e.g. a `module.` copy beside a plain copy: which one is meant is unknowable
+                raise _KeyCollision(
+                    f"keys {original[name]!r} and {k!r} both read as {name!r} once the wrapper prefixes "
+                    "(module., _orig_mod.) are dropped: the file holds two copies; keep the one you mean"
+                )
+            tensors[name], original[name] = v, k
     return tensors or None
+
+
+class _KeyCollision(Exception):
+    """Raised inside the layout search; load_backbone names the file."""
 
 
 def _from_sequential(name: str) -> str:
@@ -169,20 +188,48 @@ def _find(ckpt, sources) -> tuple[dict[str, torch.Tensor], list[str], str, str] 
 def _load_file(path: Path):
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
+    if path.suffix == ".safetensors":
+        return _load_safetensors(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights_only" not in str(e):
-            raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
-        # Training states hold numpy RNG states and other plain Python objects that the safe loader
-        # refuses; these are the user's own files, read them the way they were written.
-        logger.warning("%s: contains objects beyond tensors, loading it with weights_only=False", path)
+        # weights_only, never a fallback: a downloaded checkpoint must not run code. The numpy RNG
+        # globals let training states written before RNG states were stored as lists load too.
+        return torch_load(path, NUMPY_RNG_GLOBALS)
+    except UnsafeFileError as e:
+        raise CheckpointError(str(e)) from None
     except Exception as e:  # torch.load raises many types for a file that is not a checkpoint
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
+
+
+SAFETENSORS_FORMAT = "contrastive-transfer/torchvision-safetensors/v1"
+MAX_IMAGE_SIZE = 4096  # a pretraining crop read from a file (--crop auto) is bounded by this
+
+
+def _load_safetensors(path: Path) -> dict:
+    """A .safetensors file as {"state_dict": tensors, "metadata": its string metadata} (the format
+    holds tensors and strings only: reading it runs nothing)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # SafetensorError, a header that is not json, a truncated body
+        raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(e)})") from None
+    return {"state_dict": tensors, "metadata": metadata}
+
+
+def _safetensors_record(ckpt, source: str) -> dict | None:
+    """The backbone record in the metadata that converters.to_torchvision writes, sizes bounded."""
+    meta = ckpt.get("metadata") if isinstance(ckpt, Mapping) else None
+    if not isinstance(meta, Mapping) or meta.get("format") != SAFETENSORS_FORMAT:
+        return None
+    size = meta.get("image_size", "")
+    if size not in ("", None) and not (str(size).isdigit() and 1 <= int(size) <= MAX_IMAGE_SIZE):
+        raise CheckpointError(f"{source}: metadata image_size={size!r}, expected an integer from 1 to {MAX_IMAGE_SIZE}")
+    return {
+        "arch": meta.get("arch"),
+        "stem": meta.get("stem"),
+        "image_size": int(size) if size not in ("", None) else None,
+        "weights_sha256": meta.get("weights_sha256"),
+    }
 
 
 def _first_line(e: Exception) -> str:
@@ -247,6 +294,7 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
         if k not in sd and k.endswith("num_batches_tracked"):
             out[k] = torch.tensor(0)  # older/VISSL-converted files omit it; it has no effect in eval
         elif k in sd:
+            _check_tensor(sd[k], k, source)
             if tuple(sd[k].shape) != shape:
                 raise CheckpointError(
                     f"{source}: {k} has shape {tuple(sd[k].shape)}, expected {shape} for {arch} ({stem} stem)"
@@ -265,6 +313,24 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
             f"({len(unexpected)} unexpected backbone tensors)"
         )
     return out
+
+
+def _check_tensor(v: torch.Tensor, name: str, source: str) -> None:
+    """Dense, on a real device, floating point (counters excepted) and finite: anything else would
+    fail later with a traceback, or worse, evaluate to chance without a word."""
+    if v.layout != torch.strided or v.is_meta:
+        kind = "a meta" if v.is_meta else f"a {str(v.layout).replace('torch.', '')}"
+        raise CheckpointError(f"{source}: {name} is {kind} tensor, expected a dense tensor with values")
+    if name.endswith("num_batches_tracked"):
+        return
+    if not v.is_floating_point():
+        raise CheckpointError(f"{source}: {name} has dtype {v.dtype}, expected floating point weights")
+    bad = int((~torch.isfinite(v)).sum())
+    if bad:
+        raise CheckpointError(
+            f"{source}: {name} holds {bad} non-finite values (NaN or inf) of {v.numel()}: these weights are "
+            "broken (a diverged run?); use an earlier checkpoint"
+        )
 
 
 def _detect_stem(sd: dict[str, torch.Tensor], source: str) -> str:
@@ -296,9 +362,16 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
         raise CheckpointError(f"layout={layout!r}: expected 'auto' or one of {list(LAYOUTS)}")
     ckpt = _load_file(path)
     try:  # this project's files: the version is checked here
-        record = read_backbone_record(ckpt, source)
+        record = read_backbone_record(ckpt, source) or _safetensors_record(ckpt, source)
     except FormatError as e:
         raise CheckpointError(str(e)) from None
+    try:
+        return _read_backbone(ckpt, record, source, encoder, layout)
+    except _KeyCollision as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def _read_backbone(ckpt, record: dict | None, source: str, encoder: str, layout: str) -> Backbone:
     candidates = list(LAYOUTS.values()) if layout == "auto" else [LAYOUTS[layout]]
 
     found = next((candidate for candidate in candidates if _find(ckpt, candidate.query) is not None), None)
@@ -341,7 +414,16 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
     # Files without the record (hand-made, or a baseline saved in this project's shape) may still
     # say their pretraining size in config.data.image_size.
     size = pretraining_image_size(record if record is not None else ckpt) if isinstance(ckpt, Mapping) else None
-    return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder, size)
+    if size is not None and not (isinstance(size, int) and 1 <= size <= MAX_IMAGE_SIZE):
+        raise CheckpointError(f"{source}: image_size={size!r} recorded, expected an integer from 1 to {MAX_IMAGE_SIZE}")
+    digest = weights_sha256(state_dict)
+    recorded = record.get("weights_sha256") if record is not None and encoder == "query" else None
+    if recorded and recorded != digest:
+        raise CheckpointError(
+            f"{source}: its weights do not match the weights_sha256 it records ({recorded[:12]}...): "
+            "the tensors were changed after the file was written; use the original file"
+        )
+    return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder, size, digest)
 
 
 def build_resnet(backbone: Backbone) -> nn.Module:

@@ -1,6 +1,11 @@
 """Write a checkpoint's ResNet backbone as a plain torchvision ResNet state dict (no fc).
 
-    python -m converters.to_torchvision IN OUT.pth [--encoder query|key] [--layout auto|...]
+    python -m converters.to_torchvision IN OUT.pth|OUT.safetensors [--encoder query|key] [--layout auto|...]
+
+``OUT.safetensors`` writes the same tensors as safetensors (loading runs no code), with the
+backbone record as metadata: ``format`` (``contrastive-transfer/torchvision-safetensors/v1``),
+``arch``, ``stem``, ``image_size`` (when known) and ``weights_sha256``; every converter and
+evaluator of this project reads it back, ``--crop auto`` included.
 
 Load it with ``torchvision.models.<arch>().load_state_dict(sd, strict=False)`` (only ``fc.*`` is
 missing). A small-stem backbone keeps its 3x3 ``conv1``: rebuild the stem first
@@ -20,6 +25,7 @@ def convert(
     in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query", layout: str = "auto"
 ) -> dict:
     import torch  # here, so that --help answers at once
+    from safetensors.torch import save_file
 
     from contrastive_transfer.cli import atomic_write
     from converters.checkpoint_io import CheckpointError, load_backbone, summary_lines
@@ -33,7 +39,10 @@ def convert(
     if out_path.exists() and Path(in_path).exists() and out_path.samefile(in_path):
         raise CheckpointError(f"{out_path}: the output would overwrite the input")
     backbone = load_backbone(in_path, encoder, layout)
-    atomic_write(out_path, lambda tmp: torch.save(backbone.state_dict, tmp))
+    if out_path.suffix == ".safetensors":
+        atomic_write(out_path, lambda tmp: save_file(backbone.state_dict, str(tmp), metadata=_metadata(backbone)))
+    else:
+        atomic_write(out_path, lambda tmp: torch.save(backbone.state_dict, tmp))
     return {
         "input": str(in_path),
         "output": str(out_path),
@@ -43,9 +52,26 @@ def convert(
         "depth": backbone.depth,
         "stem": backbone.stem,
         "tensors": len(backbone.state_dict),
+        "weights_sha256": backbone.weights_sha256,
         "dropped": backbone.dropped,
         "lines": summary_lines(backbone),
     }
+
+
+def _metadata(backbone) -> dict[str, str]:
+    from converters.checkpoint_io import SAFETENSORS_FORMAT
+
+    meta = {
+        "format": SAFETENSORS_FORMAT,
+        "arch": backbone.arch,
+        "stem": backbone.stem,
+        "weights_sha256": backbone.weights_sha256,
+        "source_layout": backbone.layout,
+        "encoder": backbone.encoder,
+    }
+    if backbone.image_size is not None:
+        meta["image_size"] = str(backbone.image_size)
+    return meta
 
 
 def _report(summary: dict) -> None:
@@ -62,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         "python -m converters.to_torchvision",
         __doc__.split("\n")[0],
-        "torchvision state dict to write (.pth)",
+        "torchvision state dict to write (.pth, or .safetensors with the record as metadata)",
         convert,
         _report,
     )

@@ -29,6 +29,7 @@ from contrastive_transfer.contract import (  # noqa: F401  (FINAL_NAME re-export
     TRAINING_STATE_KEYS,
     backbone_record,
 )
+from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
 from pretrain import dist
 
 
@@ -68,7 +69,10 @@ def git_sha() -> str:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    # numpy's key as a list of ints: the file then loads with weights_only=True and no numpy globals
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (kind, key.tolist(), pos, has_gauss, cached)
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():  # this process's GPU only: a resume may see another number of GPUs
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -156,7 +160,11 @@ def _check_same_setup(path: Path, saved: dict, cfg) -> None:
 def read_training_state(path: Path) -> dict:
     """The training state in ``path``; ResumeError (one line) for a file that is not one."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # weights_only: a checkpoint from elsewhere (train.resume=FILE, a downloaded run folder)
+        # must not run code; files written before the RNG key was a list need numpy's array globals.
+        state = torch_load(path, NUMPY_RNG_GLOBALS)
+    except UnsafeFileError as e:
+        raise ResumeError(str(e)) from None
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ResumeError(f"cannot read checkpoint {path} ({first})") from None

@@ -8,14 +8,17 @@ method knows is an error, as are values outside the allowed choices.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, STEMS
+from contrastive_transfer.paths import check_run_name, escapes
+from contrastive_transfer.yaml_limits import compose as compose_yaml
 
 
 class ConfigError(UserError, ValueError):
@@ -90,6 +93,48 @@ CHOICES = {
 }
 
 
+# ${key} refers to another key; ${resolver:...} calls a function (oc.env reads the environment, and
+# the resolved value would land in config.yaml and in every published checkpoint).
+_RESOLVER_CALL = re.compile(r"\$\{\s*[\w.\-]+\s*:")
+# Keys a recipe file may not point outside the output root with (it writes there).
+_OUTPUT_KEYS = ("train.output_dir",)
+
+
+def _strings(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _strings(v, f"{prefix}.{i}")
+    elif isinstance(node, str):
+        yield prefix, node
+
+
+def _check_recipe(cfg: DictConfig, where: str) -> None:
+    """No resolver calls (environment values never reach config.yaml or a checkpoint), a plain run
+    name, and output paths that stay inside the output root."""
+    strings = dict(_strings(OmegaConf.to_container(cfg, resolve=False)))  # as written: nothing resolved
+    for key, value in strings.items():
+        if _RESOLVER_CALL.search(value):
+            raise ConfigError(
+                f"{where}: {key}={value!r} calls a resolver; recipes may only refer to other keys "
+                "(e.g. ${name}): write the value itself (environment values would be stored in config.yaml "
+                "and in every checkpoint)"
+            )
+    name = cfg.get("name") if isinstance(cfg, DictConfig) else None
+    if name is not None:
+        check_run_name(name, where)
+    for key in _OUTPUT_KEYS:
+        value = strings.get(key)
+        why = escapes(value) if value is not None else None
+        if why is not None:
+            raise ConfigError(
+                f"{where}: {key}={value!r} is {why}: a recipe's output stays inside the working directory; "
+                f"give another location on the command line ({key}=...) if you mean it"
+            )
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     """A YAML file merged over its `_base_` file(s) (paths relative to it), recursively."""
     path = path.resolve()
@@ -97,10 +142,12 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
         raise ConfigError(f"config file {path} does not exist")
     if path in seen:
         raise ConfigError(f"config file {path}: circular _base_ chain {' -> '.join(map(str, seen))}")
+    compose_yaml(path)  # aliases bounded and UTF-8 before OmegaConf builds the tree
     try:
         cfg = OmegaConf.load(path)
     except Exception as e:  # yaml errors carry the line
         raise ConfigError(f"config file {path}: cannot parse: {e}") from e
+    _check_recipe(cfg, str(path))
     bases = cfg.pop("_base_", None)
     bases = [bases] if isinstance(bases, str) else list(bases or [])
     merged = [_read_yaml(path.parent / b, seen + (path,)) for b in bases]
@@ -120,7 +167,13 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. train.batch_size=64)")
-    user = OmegaConf.merge(user, OmegaConf.from_dotlist(list(overrides)))
+    given = OmegaConf.from_dotlist(list(overrides))
+    for key, value in _strings(OmegaConf.to_container(given, resolve=False)):
+        if _RESOLVER_CALL.search(value):
+            raise ConfigError(f"override {key}={value!r} calls a resolver; give the value itself")
+    if "name" in given:
+        check_run_name(given.name, "override")
+    user = OmegaConf.merge(user, given)
     name = OmegaConf.select(user, "method.name")
     if name not in METHODS:
         raise ConfigError(f"method.name={name!r}: expected one of {sorted(METHODS)}")

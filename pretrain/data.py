@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension
 from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+from contrastive_transfer.images import DECODE_ERRORS, open_rgb
+from contrastive_transfer.paths import scan_image_folder
 from pretrain.augment import ViewTransform
 
 __all__ = [
@@ -42,8 +43,7 @@ __all__ = [
     "BadImageTracker",
 ]
 
-# Errors PIL raises for unreadable files (UnidentifiedImageError and truncation are OSErrors).
-_DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+_DECODE_ERRORS = DECODE_ERRORS  # open_rgb turns them into OSError; kept for readers of this module
 
 
 def _seed(*parts) -> int:
@@ -76,7 +76,7 @@ def _scan(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     if any(entry.is_dir() for entry in os.scandir(root)):
         try:  # torchvision's scan; raises when a class folder holds no image
             classes, class_to_idx = find_classes(root)
-            return make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS), classes
+            return scan_image_folder(root, class_to_idx, IMG_EXTENSIONS), classes  # each directory once
         except FileNotFoundError as e:
             reason = f" ({e})"
     flat = sorted(
@@ -130,8 +130,7 @@ class ImageDataset(Dataset):
         for k in range(len(self.samples)):  # deterministic substitute: the next readable file
             path, label = self.samples[(index + k) % len(self.samples)]
             try:
-                with Image.open(path) as im:
-                    return v2.functional.to_image(im.convert("RGB")), label, bad  # convert() decodes
+                return v2.functional.to_image(open_rgb(path)), label, bad
             except _DECODE_ERRORS:
                 bad.append(path)
         raise UnreadableImagesError(

@@ -13,10 +13,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_vote
+from contrastive_transfer.paths import scan_image_folder
 from pretrain import dist
 from pretrain.data import eval_transform
+
+
+class _ImageFolder(ImageFolder):
+    """torchvision's ImageFolder whose scan visits each directory once (no symbolic-link loop)."""
+
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        return scan_image_folder(directory, class_to_idx, tuple(extensions or IMG_EXTENSIONS))
 
 
 @torch.no_grad()
@@ -34,7 +44,7 @@ def extract_features(
     With several processes each extracts every W-th image (rank r: images r, r+W, ...) and the
     shards are gathered back into the folder's order, so every process holds all N features in
     1/W of the time a single process would take."""
-    dataset = ImageFolder(root, transform=eval_transform(image_size))
+    dataset = _ImageFolder(root, transform=eval_transform(image_size))
     world, rank = dist.world_size(), dist.rank()
     shard = Subset(dataset, range(rank, len(dataset), world))
     was_training = backbone.training

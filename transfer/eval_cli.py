@@ -129,6 +129,7 @@ def source_record(weights, encoder: str, backbone) -> dict:
     return {
         "checkpoint": str(weights),
         "encoder": encoder,
+        "weights_sha256": backbone.weights_sha256,  # contract.weights_sha256: checkpoint_final records the same
         "backbone": {
             "arch": backbone.arch,
             "stem": backbone.stem,

@@ -17,6 +17,7 @@ from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+from contrastive_transfer.safe_load import UnsafeFileError, torch_load
 from transfer import eval_cli
 from transfer.features import (
     LayerFeatures,
@@ -112,6 +113,28 @@ def check_divergence(loss: float, first: float | None, lr: float) -> float:
     return loss if first is None else first
 
 
+_PROBE_STATE_KEYS = ("identity", "head", "optimizer", "history", "epoch")
+
+
+def _read_probe_state(path: Path) -> dict:
+    """The probe state to resume (weights_only: a state file may come from a shared folder)."""
+    try:
+        state = torch_load(path)
+    except UnsafeFileError:
+        raise
+    except Exception as e:  # torch raises many kinds for a truncated or foreign file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(
+            f"cannot read {path} ({first}); remove it to start afresh, or choose another --output-dir"
+        ) from None
+    if not isinstance(state, dict) or not all(k in state for k in _PROBE_STATE_KEYS):
+        raise UserError(
+            f"{path} is not a linear probe state (expected the keys {', '.join(_PROBE_STATE_KEYS)}); "
+            "remove it to start afresh, or choose another --output-dir"
+        )
+    return state
+
+
 def run(args) -> dict:
     preset = PRESETS[args.preset]
     if args.epochs:
@@ -160,7 +183,7 @@ def run(args) -> dict:
     }
     history, start, first_loss = [], 0, None
     if args.resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        state = _read_probe_state(ckpt_path)
         if state["identity"] != identity:
             diff = sorted(k for k in identity if state["identity"].get(k) != identity[k])
             raise UserError(

@@ -18,9 +18,11 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
 from contrastive_transfer.cli import UserError, atomic_write
+from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
 
 
 class AnalysisError(UserError, ValueError):
@@ -76,8 +78,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise AnalysisError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # weights_only: checkpoints given to the analyses may come from anywhere
+        state = torch_load(path, NUMPY_RNG_GLOBALS)
+    except UnsafeFileError as e:
+        raise AnalysisError(str(e)) from None
     except Exception as e:  # torch raises many kinds for a bad file
         raise AnalysisError(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}") from None
     if not isinstance(state, dict):
@@ -98,7 +102,14 @@ def rebuild_method(state: dict, path: str | os.PathLike) -> tuple[nn.Module, Any
     name = OmegaConf.select(cfg, "method.name")
     if name not in METHODS:
         raise AnalysisError(f"checkpoint {path}: method.name={name!r} is not one of {sorted(METHODS)}")
-    method = METHODS[name](cfg, 1)
+    try:  # a config from another version (or hand-edited) may lack keys the method reads
+        method = METHODS[name](cfg, 1)
+    except (OmegaConfBaseException, KeyError, AttributeError, TypeError, ValueError) as e:
+        first = (" ".join(str(e).split()) or type(e).__name__)[:200]
+        raise AnalysisError(
+            f"checkpoint {path}: its config cannot rebuild {name} ({type(e).__name__}: {first}); "
+            "use a checkpoint_last.pth written by this version of the project"
+        ) from None
     try:
         method.load_state_dict(state["method"])
     except RuntimeError as e:

@@ -15,6 +15,7 @@ import json
 import math
 from pathlib import Path
 
+from contrastive_transfer.paths import read_text
 from pretrain.analysis.common import AnalysisError, pyplot, save_figure, write_csv
 
 # The engine's columns in a readable order; anything else a method logs follows, sorted.
@@ -53,7 +54,7 @@ def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         raise AnalysisError(f"{path} does not exist (expected the metrics.jsonl of a `python -m pretrain` run)")
     by_step: dict[int, dict] = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_text(path, "metrics log").splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchvision.transforms import v2
 
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+from contrastive_transfer.paths import escapes
 
 if TYPE_CHECKING:
     from pretrain.augment.pipeline import ViewTransform
@@ -125,6 +126,8 @@ OPS: dict[str, Op] = {
 def preset(name: str) -> list[dict]:
     """The views of a preset file (configs/augment/<name>.yaml), as plain lists of mappings."""
     name = ALIASES.get(name, name)
+    if escapes(f"{name}.yaml") is not None or "/" in str(name) or "\\" in str(name):  # a name, never a path
+        raise ViewError(f"data.augmentation={name!r}: expected a preset name in {PRESET_DIR}, not a path")
     path = PRESET_DIR / f"{name}.yaml"
     if name not in PRESETS and not path.is_file():
         raise ViewError(

@@ -17,9 +17,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.datasets.folder import find_classes, make_dataset, IMG_EXTENSIONS
+from torchvision.datasets.folder import find_classes, IMG_EXTENSIONS
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.images import open_rgb
+from contrastive_transfer.paths import inside, read_text, scan_image_folder
 
 PLACES205_LISTS = "trainvalsplit_places205"
 PLACES205_IMAGES = "data/vision/torralba/deeplearning/images256"
@@ -42,11 +44,7 @@ class ImageList(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int):
-        try:
-            with Image.open(self.paths[i]) as im:
-                image = im.convert("RGB")
-        except OSError as e:
-            raise OSError(f"cannot read image {self.paths[i]}: {e}") from None
+        image = open_rgb(self.paths[i])  # OSError naming the file, decompression bombs included
         return (self.transform(image) if self.transform is not None else image), self.labels[i]
 
     def fingerprint(self) -> str:
@@ -63,7 +61,7 @@ def read_image_folder(root: str | os.PathLike) -> ImageList:
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: not a directory (expected an ImageFolder root <class>/<image>)")
     classes, class_to_idx = find_classes(str(root))
-    samples = make_dataset(str(root), class_to_idx, extensions=IMG_EXTENSIONS)
+    samples = scan_image_folder(root, class_to_idx, IMG_EXTENSIONS)  # each directory once: no link loop
     return ImageList([p for p, _ in samples], [y for _, y in samples], classes)
 
 
@@ -76,13 +74,13 @@ def read_places205(root: str | os.PathLike, split: str) -> ImageList:
         raise FileNotFoundError(f"{listing}: missing (expected the Places205 file list "
                                 f"{PLACES205_LISTS}/{{train,val}}_places205.csv under --data-root)")
     paths, labels = [], []
-    for n, line in enumerate(listing.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(listing, "Places205 list").splitlines(), 1):
         if not line.strip():
             continue
         parts = line.split()
         if len(parts) != 2 or not parts[1].lstrip("-").isdigit() or int(parts[1]) < 0:
             raise DatasetError(f"{listing}:{n}: expected '<relative/path.jpg> <label >= 0>', got {line!r}")
-        paths.append(str(root / PLACES205_IMAGES / parts[0]))
+        paths.append(str(inside(root / PLACES205_IMAGES, parts[0], f"{listing}:{n}")))
         labels.append(int(parts[1]))
     if not paths:
         raise DatasetError(f"{listing}: no images listed")
@@ -124,7 +122,7 @@ def read_voc_labels(voc_root: str | os.PathLike, split: str) -> VocLabels:
     ids: list[str] | None = None
     columns = []
     for path in files:
-        rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+        rows = [line.split() for line in read_text(path, "VOC class file").splitlines() if line.strip()]
         bad = next((r for r in rows if len(r) != 2 or r[1] not in ("1", "-1", "0")), None)
         if bad is not None:
             raise DatasetError(f"{path}: expected lines '<image id> <1|-1|0>', got {' '.join(bad)!r}")
@@ -135,7 +133,7 @@ def read_voc_labels(voc_root: str | os.PathLike, split: str) -> VocLabels:
             raise DatasetError(f"{path}: lists other image ids (or another order) than {files[0]}")
         columns.append([int(r[1]) for r in rows])
     labels = np.asarray(columns, dtype=np.int8).T
-    paths = [str(voc_root / "JPEGImages" / f"{i}.jpg") for i in ids]
+    paths = [str(inside(voc_root / "JPEGImages", f"{i}.jpg", f"{files[0]}: image id {i!r}")) for i in ids]
     missing = next((p for p in paths if not os.path.isfile(p)), None)
     if missing is not None:
         raise FileNotFoundError(f"{missing}: image listed in {files[0]} is missing")

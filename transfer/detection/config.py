@@ -22,11 +22,16 @@ import pickle
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
+import yaml
 from detectron2.config import CfgNode, get_cfg
 from yacs.config import CfgNode as _YacsNode
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.paths import escapes
+from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
+from contrastive_transfer.yaml_limits import check_yaml
 from transfer.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
 
 
@@ -152,15 +157,32 @@ def _explain(e: Exception, where: str) -> ConfigError:
     return ConfigError(f"{where}: {text}")
 
 
+def _yaml_refusal(config_file: str, e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}" if mark is not None else config_file
+    problem = getattr(e, "problem", None) or _one_line(e)
+    if isinstance(e, yaml.constructor.ConstructorError):
+        return (
+            f"{where}: refused, {problem} (a YAML tag that would build Python objects); "
+            "a detectron2 config holds plain values only, remove the tag"
+        )
+    return f"{where}: not valid YAML ({problem}); fix the file"
+
+
 def build_config(config_file: str, opts: list[str], world_size: int = 1) -> tuple[CfgNode, list[str]]:
     """Load `config_file` (with its ``_BASE_`` chain), apply the overrides `opts` and the
     adjustments of the module docstring for `world_size` processes. Returns the frozen config
     and the notices to log."""
     if not Path(config_file).is_file():
         raise ConfigError(f"--config-file {config_file}: no such file")
+    check_yaml(config_file, base_key="_BASE_")  # aliases bounded along the chain, before fvcore builds it
     cfg = get_cfg()
     try:
-        cfg.merge_from_file(config_file)
+        # allow_unsafe=False along the whole _BASE_ chain: detectron2's default (True) makes fvcore
+        # fall back to yaml.unsafe_load, which runs !!python/object/apply tags.
+        cfg.merge_from_file(config_file, allow_unsafe=False)
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_refusal(config_file, e)) from None
     except (KeyError, ValueError, AssertionError) as e:
         raise _explain(e, config_file) from None
     reference_batch = cfg.SOLVER.IMS_PER_BATCH
@@ -170,6 +192,13 @@ def build_config(config_file: str, opts: list[str], world_size: int = 1) -> tupl
             cfg.merge_from_list([key, value])
         except (KeyError, ValueError, AssertionError) as e:
             raise _explain(e, f"override {key} {value}") from None
+    why = escapes(cfg.OUTPUT_DIR)
+    if why is not None and "OUTPUT_DIR" not in {k for k, _ in pairs}:
+        # a config file from elsewhere may not write outside the working directory; the command line may
+        raise ConfigError(
+            f"{config_file}: OUTPUT_DIR {cfg.OUTPUT_DIR!r} is {why}: a config file's output stays inside the "
+            "working directory; give another location on the command line (OUTPUT_DIR PATH) if you mean it"
+        )
     notes = scale_schedule(cfg, reference_batch, {k for k, _ in pairs})
     notes += choose_device(cfg, world_size)
     notes += resolve_sync_norm(cfg, world_size)
@@ -191,12 +220,13 @@ def read_weights(path: str) -> dict:
     hint = "expected a .pkl written by `python -m converters.to_detectron2` or a detectron2 .pth checkpoint"
     if path.endswith(".pkl"):
         try:
-            with open(path, "rb") as f:
-                data = pickle.load(f, encoding="latin1")
+            data = load_pickle(path)  # the restricted unpickler the training processes use too
+        except UnsafeFileError as e:
+            raise ConfigError(f"MODEL.WEIGHTS {e}") from None
         except pickle.UnpicklingError as e:
             # detectron2#2881 / vissl#375: torch.save output named .pkl (zip, or the legacy format
             # whose pickle refers to tensor storages by persistent id)
-            saved_by_torch = zipfile.is_zipfile(path) or "persistent" in str(e)
+            saved_by_torch = zipfile.is_zipfile(path) or "persistent" in str(e) or "torch.save" in str(e)
             extra = " (written by torch.save: rename it to .pth)" if saved_by_torch else ""
             raise ConfigError(
                 f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read ({_one_line(e)}){extra}; {hint}"
@@ -215,7 +245,9 @@ def read_weights(path: str) -> dict:
         model = data.get("model", data.get("blobs", data))
     else:
         try:
-            data = torch.load(path, map_location="cpu", weights_only=False)
+            data = torch_load(path)
+        except UnsafeFileError as e:
+            raise ConfigError(f"MODEL.WEIGHTS {e}") from None
         except Exception as e:
             raise ConfigError(
                 f"MODEL.WEIGHTS {path}: torch.load failed ({type(e).__name__}: {_one_line(e)}); {hint}"
@@ -223,4 +255,11 @@ def read_weights(path: str) -> dict:
         model = data.get("model", data) if isinstance(data, dict) else None
     if not isinstance(model, dict) or not any(hasattr(v, "shape") for v in model.values()):
         raise ConfigError(f"MODEL.WEIGHTS {path}: holds no tensors; {hint}")
+    for name, value in model.items():  # NaN weights would train (or evaluate) to garbage without a word
+        if isinstance(value, torch.Tensor):
+            finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
+        else:
+            finite = not (isinstance(value, np.ndarray) and value.dtype.kind == "f") or bool(np.isfinite(value).all())
+        if not finite:
+            raise ConfigError(f"MODEL.WEIGHTS {path}: {name} holds non-finite values (NaN or inf); use other weights")
     return model

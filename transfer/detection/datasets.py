@@ -19,14 +19,18 @@ import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from xml.etree import ElementTree
 
+from defusedxml import DefusedXmlException
+from defusedxml import ElementTree as defused_etree
 from detectron2.data import DatasetCatalog, MetadataCatalog
 from detectron2.data.datasets.builtin_meta import _get_builtin_metadata
 from detectron2.data.datasets.coco import load_coco_json
 from detectron2.data.datasets.pascal_voc import CLASS_NAMES as VOC_CLASS_NAMES
-from detectron2.data.datasets.pascal_voc import load_voc_instances
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.images import MAX_IMAGE_PIXELS  # noqa: F401  (sets Pillow's limit in every process)
+from contrastive_transfer.paths import inside
 
 
 class DatasetError(UserError, FileNotFoundError):
@@ -85,31 +89,136 @@ def _checked(name: str, source: Path, records: list[dict]) -> list[dict]:
     return records
 
 
-def _check_coco_json(name: str, path: Path) -> None:
-    """The fields detectron2 reads, present and consistent, before it reads them."""
+MAX_SIDE = 65535  # pixels; an image size beyond, read from an annotation, is broken (or hostile)
+
+
+def _check_coco_json(name: str, path: Path, image_root: Path) -> None:
+    """The fields detectron2 reads, present, of the right types and consistent, before it reads them."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(_read_text(path, name))
     except json.JSONDecodeError as e:
         raise DatasetError(f"dataset {name}: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DatasetError(f"dataset {name}: {path} holds a {type(data).__name__}, expected a COCO instances object")
     missing = [key for key in ("images", "annotations", "categories") if not isinstance(data.get(key), list)]
     if missing:
         raise DatasetError(
             f"dataset {name}: {path} has no {' / '.join(repr(k) for k in missing)} list "
             "(a COCO instances file needs images, annotations and categories)"
         )
-    images = {image.get("id") for image in data["images"]}
-    categories = {category.get("id") for category in data["categories"]}
+    for key, fields in _COCO_FIELDS.items():
+        for i, entry in enumerate(data[key]):
+            bad = "not an object" if not isinstance(entry, dict) else _bad_fields(entry, fields)
+            if bad:
+                raise DatasetError(f"dataset {name}: {path}: {key}[{i}] {bad}; fix the file")
+    for image in data["images"]:  # detectron2 joins file_name to the image folder: it may not leave it
+        inside(image_root, image["file_name"], f"dataset {name}: {path}: image {image['id']}")
+    builtin = set(_get_builtin_metadata("coco")["thing_dataset_id_to_contiguous_id"])
+    foreign = sorted({c["id"] for c in data["categories"]} - builtin)
+    if foreign:
+        raise DatasetError(
+            f"dataset {name}: {path}: category ids {foreign[:5]} are not among the 80 COCO categories "
+            "that the coco_2017 sets are registered with"
+        )
+    images = {image["id"] for image in data["images"]}
+    categories = {category["id"] for category in data["categories"]}
     for ann in data["annotations"]:
-        if ann.get("image_id") not in images:
+        if ann["image_id"] not in images:
             raise DatasetError(
                 f"dataset {name}: {path}: annotation {ann.get('id')} points to image_id "
-                f"{ann.get('image_id')}, which is not in 'images'"
+                f"{ann['image_id']}, which is not in 'images'"
             )
-        if ann.get("category_id") not in categories:
+        if ann["category_id"] not in categories:
             raise DatasetError(
                 f"dataset {name}: {path}: annotation {ann.get('id')} has category_id "
-                f"{ann.get('category_id')}, which is not in 'categories'"
+                f"{ann['category_id']}, which is not in 'categories'"
             )
+
+
+def _is_side(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_SIDE
+
+
+def _is_box(v) -> bool:
+    return (
+        isinstance(v, list) and len(v) == 4 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+    )
+
+
+# What detectron2's load_coco_json reads of each entry, and what it must be.
+_COCO_FIELDS = {
+    "images": {
+        "id": (lambda v: isinstance(v, (int, str)), "an integer or string"),
+        "file_name": (lambda v: isinstance(v, str) and bool(v), "a relative path"),
+        "height": (_is_side, f"an integer from 1 to {MAX_SIDE}"),
+        "width": (_is_side, f"an integer from 1 to {MAX_SIDE}"),
+    },
+    "annotations": {
+        "image_id": (lambda v: isinstance(v, (int, str)), "an integer or string"),
+        "category_id": (lambda v: isinstance(v, int), "an integer"),
+        "bbox": (_is_box, "a list of 4 numbers [x, y, w, h]"),
+    },
+    "categories": {
+        "id": (lambda v: isinstance(v, int), "an integer"),
+        "name": (lambda v: isinstance(v, str), "a string"),
+    },
+}
+
+
+def _bad_fields(entry: dict, fields: dict) -> str:
+    for key, (ok, expected) in fields.items():
+        if key not in entry:
+            return f"lacks {key!r}"
+        if not ok(entry[key]):
+            return f"has {key}={entry[key]!r:.60}, expected {expected}"
+    return ""
+
+
+def _read_text(path: Path, name: str) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"dataset {name}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _voc_record(name: str, base: Path, image_id: str) -> dict:
+    """One image's record as detectron2's load_voc_instances builds it, from a defusedxml parse."""
+    from detectron2.structures import BoxMode
+
+    path = base / "Annotations" / f"{image_id}.xml"
+    where = f"dataset {name}: {path}"
+    try:
+        tree = defused_etree.parse(path)
+    except (DefusedXmlException, ElementTree.ParseError) as e:
+        raise DatasetError(
+            f"{where}: refused ({type(e).__name__}: {' '.join(str(e).split())}); VOC annotations are plain XML "
+            "without entities or a DTD"
+        ) from None
+    try:
+        height, width = int(tree.findtext("./size/height")), int(tree.findtext("./size/width"))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise DatasetError(f"{where}: no <size> with integer <width> and <height>; fix the annotation") from None
+    if not (0 < width <= MAX_SIDE and 0 < height <= MAX_SIDE):
+        raise DatasetError(f"{where}: <size> {width}x{height}, expected sides from 1 to {MAX_SIDE}")
+    instances = []
+    for obj in tree.findall("object"):
+        cls = obj.findtext("name")
+        if cls not in VOC_CLASS_NAMES:
+            raise DatasetError(f"{where}: object class {cls!r} is not one of the 20 VOC classes")
+        try:
+            bbox = [float(obj.findtext(f"bndbox/{k}")) for k in ("xmin", "ymin", "xmax", "ymax")]  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise DatasetError(f"{where}: a {cls} object without a numeric <bndbox> xmin/ymin/xmax/ymax") from None
+        bbox[0] -= 1.0  # 1-based inclusive pixel indices, as detectron2 reads them
+        bbox[1] -= 1.0
+        instances.append({"category_id": VOC_CLASS_NAMES.index(cls), "bbox": bbox, "bbox_mode": BoxMode.XYXY_ABS})
+    return {
+        "file_name": os.path.join(str(base), "JPEGImages", image_id + ".jpg"),
+        "image_id": image_id,
+        "height": height,
+        "width": width,
+        "annotations": instances,
+    }
 
 
 @dataclass(frozen=True)
@@ -130,14 +239,20 @@ class VocSplit:
 
     def load(self, name: str, root: Path) -> list[dict]:
         base = root / self.folder
-        ids = (base / "ImageSets" / "Main" / f"{self.split}.txt").read_text().split()
-        for image_id in ids:  # load_voc_instances would stop at the first one with a bare errno
+        listing = base / "ImageSets" / "Main" / f"{self.split}.txt"
+        ids = _read_text(listing, name).split()
+        for image_id in ids:  # ids join Annotations/ and JPEGImages/: none may lead outside them
+            inside(base / "Annotations", f"{image_id}.xml", f"dataset {name}: {listing}: image id {image_id!r}")
+        for image_id in ids:  # a missing one named before any is parsed
             if not (base / "Annotations" / f"{image_id}.xml").is_file():
                 raise DatasetError(
                     f"dataset {name}: annotation {base / 'Annotations' / image_id}.xml "
                     f"is missing (listed in ImageSets/Main/{self.split}.txt)"
                 )
-        return _checked(name, base / "Annotations", load_voc_instances(str(base), self.split, VOC_CLASS_NAMES))
+        # detectron2's load_voc_instances, restated over defusedxml: its xml.etree parse turns entities
+        # into tracebacks (and PascalVOCDetectionEvaluator parses the same files again: only files
+        # this check accepted reach it), its np.loadtxt fails on a split of one id.
+        return _checked(name, base / "Annotations", [_voc_record(name, base, i) for i in ids])
 
     def register(self, name: str, root: Path) -> None:
         DatasetCatalog.register(name, partial(self.load, name, root))
@@ -162,7 +277,7 @@ class CocoSplit:
         return [root / self.json_file, root / self.image_dir]
 
     def load(self, name: str, root: Path) -> list[dict]:
-        _check_coco_json(name, root / self.json_file)
+        _check_coco_json(name, root / self.json_file, root / self.image_dir)
         return _checked(
             name, root / self.json_file, load_coco_json(str(root / self.json_file), str(root / self.image_dir), name)
         )

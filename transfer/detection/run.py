@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from contrastive_transfer.cli import OutputLock, UserError, atomic_write
 from transfer.detection.config import ConfigError, build_config, read_weights
 from transfer.detection.datasets import check_datasets, register_datasets
 from transfer.detection.trainer import BackboneCheckingCheckpointer, Trainer
+from transfer.features import file_digest
 
 HEADLINE = ("AP50", "AP", "AP75", "APs", "APm", "APl")
 
@@ -60,6 +62,10 @@ def seed_list(config_seed: int, count: int) -> list[int]:
         return [config_seed]
     start = config_seed if config_seed >= 0 else 0
     return list(range(start, start + count))
+
+
+def _weights_digest(weights: str) -> str | None:
+    return file_digest(weights) if weights and os.path.isfile(weights) else None
 
 
 def _fresh_logging() -> None:
@@ -99,6 +105,9 @@ def worker(cfg: CfgNode, notes: list[str], args, skip_if_done: bool = False) -> 
             {
                 "config_file": args.config_file,
                 "weights": cfg.MODEL.WEIGHTS,
+                # the bytes measured (to_detectron2 renames the tensors, so this is the file's digest,
+                # not contract.weights_sha256 of a checkpoint_final)
+                "weights_file_sha256": _weights_digest(cfg.MODEL.WEIGHTS),
                 "seed": cfg.SEED,
                 "eval_only": bool(args.eval_only),
                 "iterations": iteration,

@@ -16,6 +16,7 @@ from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
 
 logger = logging.getLogger("detectron2")
 
@@ -47,6 +48,29 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
     (prefix not stripped, wrong depth, small stem, ...): detectron2 itself only logs those as
     "not found in checkpoint" and trains on from random weights. New layers (FPN, RPN, box
     head, extra norm) are expected to be missing."""
+
+    def _load_file(self, filename):
+        # detectron2 unpickles .pkl files with plain pickle (detectron2#5456) and leaves torch.load's
+        # weights_only to the torch default: inside the training processes every weights file goes
+        # through the same safe loaders as the check before training (contrastive_transfer.safe_load).
+        if filename.endswith(".pkl"):
+            data = load_pickle(filename)
+            if isinstance(data, dict) and "model" in data and "__author__" in data:
+                return data
+            if isinstance(data, dict) and "blobs" in data:  # Caffe2 / Detectron1 detection models
+                data = data["blobs"]
+            if not isinstance(data, dict):
+                raise UnsafeFileError(f"{filename}: holds a {type(data).__name__}, not a dict of arrays")
+            data = {k: v for k, v in data.items() if not k.endswith("_momentum")}
+            return {"model": data, "__author__": "Caffe2", "matching_heuristics": True}
+        if filename.endswith(".pyth"):  # pycls, read as detectron2 does but weights-only
+            data = torch_load(filename)
+            state = {k: v for k, v in data["model_state"].items() if not k.endswith("num_batches_tracked")}
+            return {"model": state, "__author__": "pycls", "matching_heuristics": True}
+        return super()._load_file(filename)
+
+    def _torch_load(self, f):
+        return torch_load(f)
 
     def _load_model(self, checkpoint):
         incompatible = super()._load_model(checkpoint)

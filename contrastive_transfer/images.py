@@ -1,0 +1,35 @@
+"""Decoding images from files others made: one pixel limit, one kind of error (docs/security.md).
+
+A 69-byte PNG header can claim 10^10 pixels. Pillow guards with ``Image.MAX_IMAGE_PIXELS`` (a
+warning above it, ``DecompressionBombError``, which is no ``OSError``, above twice it); the limit
+is set here, once, for every process that imports this module (the evaluators, pretraining and
+detection, whose processes import it through ``transfer.detection.datasets``), and ``open_rgb``
+refuses anything above it from the header alone, before a pixel is decoded.
+"""
+
+from __future__ import annotations
+
+import os
+
+from PIL import Image
+
+# 2^28 ≈ 268 M pixels: a 16k × 16k image; any real photo dataset is far below.
+MAX_IMAGE_PIXELS = 1 << 28
+Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+
+# What Pillow raises for a file it cannot decode (UnidentifiedImageError and truncation are OSErrors).
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
+
+
+def open_rgb(path: str | os.PathLike) -> Image.Image:
+    """The decoded RGB image; OSError ``cannot read image PATH: reason`` (one line) otherwise."""
+    try:
+        with Image.open(path) as im:
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise Image.DecompressionBombError(
+                    f"its header claims {im.width}x{im.height} pixels, above the limit of {MAX_IMAGE_PIXELS}"
+                )
+            return im.convert("RGB")  # convert() decodes
+    except DECODE_ERRORS as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise OSError(f"cannot read image {path}: {reason}") from None
