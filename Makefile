@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 DATA ?= datasets/synthetic
 PRESET ?= small
 SEED ?= 0
-METHOD ?= mocov2
+METHOD ?= simclr
 
 .PHONY: setup demo test test-fast test-capabilities lint clean-data
 
