@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -42,8 +43,10 @@ __all__ = [
     "BadImageTracker",
 ]
 
-# Errors PIL raises for unreadable files (UnidentifiedImageError and truncation are OSErrors).
+# Errors PIL raises for unreadable files (UnidentifiedImageError and truncation are OSErrors);
+# simplejpeg raises ValueError (the fast backend).
 _DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+BACKENDS = ("fast", "torchvision")  # data.backend (docs/augmentation.md)
 
 
 def _seed(*parts) -> int:
@@ -104,7 +107,12 @@ class ImageDataset(Dataset):
     """
 
     def __init__(
-        self, root: str | os.PathLike, views: Sequence[Callable], seed: int = 0, colour_on_device: bool = False
+        self,
+        root: str | os.PathLike,
+        views: Sequence[Callable],
+        seed: int = 0,
+        colour_on_device: bool = False,
+        backend: str = "torchvision",
     ):
         self.root = Path(root)
         self.views = list(views)
@@ -113,6 +121,16 @@ class ImageDataset(Dataset):
         self.colour_on_device = colour_on_device
         if not self.views:
             raise ValueError("ImageDataset needs at least one view transform")
+        if backend not in BACKENDS:
+            raise ValueError(f"data.backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+        # "fast" (pretrain/augment/fast.py): the same draws on uint8; its views are uint8, which
+        # finish_views normalises on the device. "torchvision": the exact reference, float32 views.
+        self.backend = backend
+        self.fast = None
+        if backend == "fast":
+            from pretrain.augment.fast import FastView
+
+            self.fast = [FastView(t) if isinstance(t, ViewTransform) else None for t in self.views]
         self.seed = int(seed)
         self.samples, self.classes = _scan(self.root)
         # Shared memory: DataLoader workers (persistent ones too) see set_epoch made in the parent.
@@ -125,20 +143,35 @@ class ImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def _load(self, index: int) -> tuple[torch.Tensor, int, list[str]]:
+    def _load(self, index: int) -> tuple[torch.Tensor | np.ndarray, int, list[str]]:
+        """The decoded image (C×H×W uint8 tensor; H×W×3 numpy for the fast backend), its label,
+        and the unreadable files passed over to reach it."""
         bad = []
         for k in range(len(self.samples)):  # deterministic substitute: the next readable file
             path, label = self.samples[(index + k) % len(self.samples)]
             try:
-                with Image.open(path) as im:
-                    return v2.functional.to_image(im.convert("RGB")), label, bad  # convert() decodes
+                return self._decode(path), label, bad
             except _DECODE_ERRORS:
                 bad.append(path)
         raise UnreadableImagesError(
             f"no readable image in {self.root} ({len(bad)} files tried, e.g. {bad[0]}); check the files or data.root"
         )
 
+    def _decode(self, path: str) -> torch.Tensor | np.ndarray:
+        if self.fast is not None:
+            from pretrain.augment.fast import decode_rgb
+
+            with open(path, "rb") as f:
+                image = decode_rgb(f.read())
+            if image is not None:
+                return image
+        with Image.open(path) as im:
+            rgb = im.convert("RGB")  # convert() decodes
+            return np.array(rgb) if self.fast is not None else v2.functional.to_image(rgb)  # writable
+
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[list[torch.Tensor], int, list[str]]]:
+        if self.fast is not None:
+            return self._getitems_fast(indices)
         epoch, drawn, labels, bads = int(self._epoch), [], [], []
         for index in indices:
             image, label, bad = self._load(int(index))
@@ -156,6 +189,31 @@ class ImageDataset(Dataset):
                 per_view.append(t.finish(torch.stack(crops), torch.stack(uniforms)).unbind(0))
             else:
                 per_view.append([d[j] for d in drawn])
+        return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
+
+    def _getitems_fast(self, indices: Sequence[int]) -> list[tuple[list, int, list[str]]]:
+        """__getitems__ of the fast backend: the same seeding and draws, uint8 views (or, with
+        colour_on_device, the same (uint8 crop, uniforms) pairs as the reference)."""
+        epoch, drawn, labels, bads = int(self._epoch), [], [], []
+        for index in indices:
+            image, label, bad = self._load(int(index))
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
+                drawn.append(
+                    [
+                        fv.sample(image) if fv is not None else t(torch.from_numpy(image).permute(2, 0, 1))
+                        for fv, t in zip(self.fast, self.views)
+                    ]
+                )
+            labels.append(label)
+            bads.append(bad)
+        per_view: list = []
+        for j, fv in enumerate(self.fast):
+            if fv is None:
+                per_view.append([d[j] for d in drawn])
+                continue
+            views = fv.batch([d[j] for d in drawn], colour=not self.colour_on_device)
+            per_view.append(list(zip(*(v.unbind(0) for v in views))) if isinstance(views, tuple) else views.unbind(0))
         return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
 
     def __getitem__(self, index: int) -> tuple[list[torch.Tensor], int, list[str]]:
@@ -195,12 +253,16 @@ def finish_views(
 ) -> list[torch.Tensor]:
     """The batch's views on ``device``: finished views are copied; (crops, uniforms) pairs are
     copied as uint8 and finished there (colour stage + normalisation, batched), which gives the
-    views the workers would have made (bit for bit on CPU, to float rounding on CUDA)."""
+    views the workers would have made (bit for bit on CPU, to float rounding on CUDA); uint8 views
+    (the fast backend's) are copied as uint8 and normalised there."""
     out = []
     for view, transform in zip(views, transforms):
         if isinstance(view, tuple):
             crops, uniforms = (t.to(device, non_blocking=True) for t in view)
             view = transform.finish(crops, uniforms)
+        elif view.dtype == torch.uint8 and isinstance(transform, ViewTransform):
+            x = v2.functional.to_dtype(view.to(device, non_blocking=True), torch.float32, scale=True)
+            view = v2.functional.normalize(x, transform.normalize.mean, transform.normalize.std, inplace=True)
         out.append(view.to(device, non_blocking=True, memory_format=memory_format))
     return out
 

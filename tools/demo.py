@@ -135,7 +135,7 @@ def pretrain_summary(pretrain_dir: Path) -> str:
     rows = [json.loads(line) for line in (pretrain_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "loss" in r]
     knn = [r["knn_top1"] for r in rows if "knn_top1" in r]
-    seconds = sum(r.get("step_time", 0.0) for r in steps)
+    seconds = sum(r.get("step_time", 0.0) + r.get("data_time", 0.0) for r in steps)  # step_time excludes data
     text = (
         f"{steps[-1]['step']} steps ({steps[-1]['epoch']:.0f} epochs, ~{seconds / 60:.1f} min of steps), "
         f"final loss {steps[-1]['loss']:.3f}"
