@@ -94,7 +94,7 @@ _F0, _F1, _F255 = np.float32(0.0), np.float32(1.0), np.float32(255.0)
 _WR, _WG, _WB = np.float32(0.2989), np.float32(0.587), np.float32(0.114)  # ITU-R 601-2 luma
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+@numba.njit(cache=True, nogil=True)  # no fastmath: x / 255 exactly as torchvision's to_dtype
 def _to_planar(src, x):
     """x[c, p] = src[p, c] / 255: H×W×3 uint8 → 3×(H·W) float32 in [0, 1]."""
     flat = src.reshape(-1, 3)
