@@ -1,0 +1,183 @@
+"""The data path per core: two augmented views per JPEG against the bare decode rate, in one run.
+
+    python -m benchmarks.data [--images 64] [--runs 5] [--out benchmarks/data.md]
+
+A fixed set of generated ImageNet-sized JPEGs (the synthetic classification renderer, sides drawn
+in 350–460 px, quality 90; count, sizes and bytes in the report), one pinned core
+(``sched_setaffinity``, OMP_NUM_THREADS=1, ``torch.set_num_threads(1)``, OpenCV one thread), each
+pipeline's images per second and its ratio to the bare decode rate measured in the same run
+(median of ``--runs`` after a warm-up): bare decode, torchvision v2 per sample, the exact backend
+(``data.backend: torchvision``), the fast backend (``data.backend: fast``), for MoCo v2 and SimCLR
+at 224 px and MoCo v2 at 64 px; then the fast backend through a DataLoader with 1 and 2 workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
+
+import torch  # noqa: E402
+from torchvision.io import decode_image, decode_jpeg  # noqa: E402
+from torchvision.transforms import v2  # noqa: E402
+
+from contrastive_transfer.synthetic.generate import render_classification  # noqa: E402
+from pretrain.augment import build_view_transforms  # noqa: E402
+from pretrain.data import ImageDataset, build_loader, collate, set_loader_epoch  # noqa: E402
+
+OUT = Path(__file__).with_name("data.md")
+
+
+def write_images(root: Path, n: int) -> list[Path]:
+    """n JPEGs of ImageNet's typical size (sides 350–460 px, quality 90), one class folder."""
+    paths = [root / "c" / f"{i:04d}.JPEG" for i in range(n)]
+    for i, path in enumerate(paths):
+        render_classification((29, i), i % 10, (350, 460), path)
+    return paths
+
+
+def rate(fn, n_images: int, runs: int) -> float:
+    """Median images per second of fn() (which handles n_images), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return n_images / statistics.median(times)
+
+
+def v2_pipeline(recipe: str, size: int) -> v2.Compose:
+    """The preset's view as plain torchvision v2 ops per sample (the views' transforms list)."""
+    return v2.Compose(build_view_transforms(recipe, size)[0].transforms)
+
+
+def bench_pipelines(root: Path, paths: list[Path], runs: int) -> list[tuple[str, float]]:
+    data = [p.read_bytes() for p in paths]
+    tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
+    results = [
+        ("decode only: `torchvision.io.decode_jpeg`", rate(lambda: [decode_jpeg(t) for t in tensors], len(data), runs))
+    ]
+    from pretrain.augment.fast import decode_rgb
+
+    results.append(
+        ("decode only: simplejpeg (the fast backend's)", rate(lambda: [decode_rgb(d) for d in data], len(data), runs))
+    )
+    for recipe, size in (("mocov2", 224), ("simclr", 224), ("mocov2", 64)):
+        views = build_view_transforms(recipe, size)
+        few = tensors[:12]  # torchvision v2 per sample is slow: fewer images
+        pipe = v2_pipeline(recipe, size)
+        results.append(
+            (
+                f"{recipe} {size} px: torchvision v2 per sample",
+                rate(
+                    lambda pipe=pipe, few=few: [(pipe(decode_image(t)), pipe(decode_image(t))) for t in few],
+                    len(few),
+                    runs,
+                ),
+            )
+        )
+        for backend in ("torchvision", "fast"):
+            ds = ImageDataset(root, views, seed=0, backend=backend)
+            batches = [list(range(i, min(i + 32, len(ds)))) for i in range(0, len(ds), 32)]
+            results.append(
+                (
+                    f"{recipe} {size} px: `data.backend: {backend}` (__getitems__ + collate)",
+                    rate(lambda ds=ds, batches=batches: [collate(ds.__getitems__(b)) for b in batches], len(ds), runs),
+                )
+            )
+    return results
+
+
+def bench_workers(root: Path, runs: int) -> list[tuple[str, float]]:
+    out = []
+    for workers in (1, 2):
+        ds = ImageDataset(root, build_view_transforms("mocov2", 224), seed=0, backend="fast")
+        loader = build_loader(ds, 16, num_workers=workers)
+
+        def epoch(loader=loader):
+            set_loader_epoch(loader, 0)
+            for _ in loader:
+                pass
+
+        out.append(
+            (
+                f"mocov2 224 px, fast backend, DataLoader, {workers} worker(s), end to end",
+                rate(epoch, len(loader) * 16, runs),
+            )
+        )
+    return out
+
+
+def machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    return f"{model}, {os.cpu_count()} cores; load average before/after: {{load}}"
+
+
+def report(results, workers, paths, machine_line: str) -> str:
+    sizes = [p.stat().st_size for p in paths]
+    from PIL import Image
+
+    dims = [Image.open(p).size for p in paths]
+    decode = results[0][1]
+    lines = [
+        "# The data path per core (`python -m benchmarks.data`)",
+        "",
+        f"Machine: {machine_line}. The machine was shared with other jobs while this ran: absolute rates",
+        "are noisy, the ratios (measured in the same run, interleaved) are the figures to compare.",
+        f"Images: {len(paths)} generated JPEGs (synthetic shapes, quality 90), {min(w for w, _ in dims)}–"
+        f"{max(w for w, _ in dims)} × {min(h for _, h in dims)}–{max(h for _, h in dims)} px, "
+        f"{min(sizes) // 1000}–{max(sizes) // 1000} KB (mean {sum(sizes) // len(sizes) // 1000} KB; "
+        "ImageNet's average is ~110 KB).",
+        "One pinned core (sched_setaffinity, OMP_NUM_THREADS=1, torch.set_num_threads(1), OpenCV one thread);",
+        "two views per image, collated batches of 32; median of the runs after a warm-up.",
+        "",
+        "| pipeline | img/s | of the bare decode rate |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | {r:,.0f} | {r / decode:.0%} |" for name, r in results]
+    lines += [
+        "",
+        "End to end (DataLoader workers, the main process only iterating):",
+        "",
+        "| pipeline | img/s |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {r:,.0f} |" for name, r in workers]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        paths = write_images(root, args.images)
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core; workers inherit it
+        results = bench_pipelines(root, paths, args.runs)
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # workers: one core each
+        workers = bench_workers(root, args.runs)
+        load = f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}"
+        text = report(results, workers, paths, machine().format(load=load))
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
