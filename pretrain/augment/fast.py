@@ -7,9 +7,9 @@ flips' ``torch.rand(1)``, then the view's uniforms), in the order ``ViewTransfor
 them, so the parameters are those of the reference (``data.backend: torchvision``) for the same
 ``(seed, epoch, index)``; crop + resize on uint8; the colour stages on one float32 planar copy of
 the 224-px view with the parameters ``ViewTransform.params`` decodes (the reference's formulas,
-without rounding between ops); one rounding to uint8, flips folded into that last write. Out of
-the worker go uint8 views (a quarter of the bytes of float32); ``pretrain.data.finish_views``
-normalises them on the device.
+without rounding between ops); one rounding to uint8. Flips mirror the uint8 crop (they commute
+with every colour op). Out of the worker go uint8 views (a quarter of the bytes of float32);
+``pretrain.data.finish_views`` normalises them on the device.
 
 Shortcuts, each measured in tests/pretrain/test_augment_fast.py and stated in docs/augmentation.md:
 
@@ -180,32 +180,12 @@ def _solarize(x, threshold):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _to_uint8(x, out, hflip, vflip):
-    """out (3×H×W uint8) = round(255·x), mirrored as asked (flips commute with every colour op)."""
-    _, h, w = out.shape
+def _to_uint8(x, out):
+    """out (3×N uint8) = round(255·x)."""
     half = np.float32(0.5)
     for c in range(3):
-        for i in range(h):
-            src = x[c, h - 1 - i] if vflip else x[c, i]
-            row = out[c, i]
-            if hflip:
-                for j in range(w):
-                    row[j] = np.uint8(_clamp(src[w - 1 - j]) * _F255 + half)
-            else:
-                for j in range(w):
-                    row[j] = np.uint8(_clamp(src[j]) * _F255 + half)
-
-
-@numba.njit(cache=True, nogil=True)
-def _hwc_to_chw(src, out, hflip, vflip):
-    """out (3×H×W) = src (H×W×3) transposed and mirrored as asked: a crop left for the device."""
-    _, h, w = out.shape
-    for i in range(h):
-        si = h - 1 - i if vflip else i
-        for j in range(w):
-            sj = w - 1 - j if hflip else j
-            for c in range(3):
-                out[c, i, j] = src[si, sj, c]
+        for p in range(x.shape[1]):
+            out[c, p] = np.uint8(_clamp(x[c, p]) * _F255 + half)
 
 
 # ------------------------------------------------------------------------------ one view
@@ -231,11 +211,12 @@ class FastView:
             if type(stage) not in (ColorJitterStage, GrayscaleStage, GaussianBlurStage, SolarizeStage):
                 raise ValueError(f"fast backend: no kernel for {type(stage).__name__}")
 
-    def sample(self, image: np.ndarray) -> tuple[np.ndarray, bool, bool, torch.Tensor]:
-        """(H×W×3 uint8 crop, hflip, vflip, uniforms), from the global RNG like ViewTransform.sample."""
+    def sample(self, image: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+        """(H×W×3 uint8 crop, uniforms), from the global RNG like ViewTransform.sample. The flips
+        are applied to the uint8 crop: they commute with every colour op (pipeline.py)."""
         if not self.fast_geometry:
             crop, u = self.transform.sample(torch.from_numpy(image).permute(2, 0, 1))
-            return np.ascontiguousarray(crop.permute(1, 2, 0).numpy()), False, False, u
+            return np.ascontiguousarray(crop.permute(1, 2, 0).numpy()), u
         out = image
         if self.crop is not None:
             chw = torch.from_numpy(image).permute(2, 0, 1)  # a view: make_params reads the size only
@@ -245,7 +226,9 @@ class FastView:
         for axis, p in self.flips:
             if not bool(torch.rand(1) >= p):  # RandomHorizontalFlip's test: flipped when rand < p
                 flip[axis] = not flip[axis]
-        return out, flip[1], flip[0], torch.rand(self.transform.n_uniforms)
+        if flip[0] or flip[1]:
+            out = cv2.flip(out, -1 if flip[0] and flip[1] else int(flip[1]))  # 0 vertical, 1 horizontal
+        return np.ascontiguousarray(out), torch.rand(self.transform.n_uniforms)
 
     def _resized_crop(self, image: np.ndarray, top: int, left: int, height: int, width: int) -> np.ndarray:
         size_h, size_w = self.crop.size
@@ -256,12 +239,12 @@ class FastView:
             interpolation = cv2.INTER_AREA
         return cv2.resize(crop, (size_w, size_h), interpolation=interpolation)
 
-    def colour(self, crop: np.ndarray, hflip: bool, vflip: bool, params: list[dict], i: int, out: np.ndarray) -> None:
+    def colour(self, crop: np.ndarray, params: list[dict], i: int, out: np.ndarray) -> None:
         """Sample i's colour stages (``params``: the batch's, as numpy) on ``crop``; the uint8
         view into ``out`` (3×H×W)."""
         h, w, _ = crop.shape
         x = np.empty((3, h * w), dtype=np.float32)
-        _to_planar(np.ascontiguousarray(crop), x, _FROM_UINT8)
+        _to_planar(crop, x, _FROM_UINT8)
         for stage, p in zip(self.transform.stages, params):
             if not p["apply"][i]:
                 continue
@@ -277,7 +260,7 @@ class FastView:
                     cv2.sepFilter2D(plane, -1, k, k, dst=plane, borderType=cv2.BORDER_REFLECT_101)
             else:
                 _solarize(x, np.float32(stage.threshold))
-        _to_uint8(x.reshape(3, h, w), out, hflip, vflip)
+        _to_uint8(x, out.reshape(3, h * w))
 
     def numpy_params(self, u: torch.Tensor) -> list[dict]:
         """The batch's per-stage parameters (ViewTransform.params) as numpy; the jitter's four
@@ -294,16 +277,15 @@ class FastView:
         return out
 
     def batch(self, drawn: list[tuple], colour: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The views of a batch from its samples' draws: B×3×H×W uint8 views (``colour``), or the
-        uint8 crops with their uniforms for the device (``colour`` False)."""
+        """The views of a batch from its samples' draws (``sample``): B×3×H×W uint8 views
+        (``colour``), or the uint8 crops with their uniforms for the device (``colour`` False)."""
         h, w, _ = drawn[0][0].shape
-        out = torch.empty((len(drawn), 3, h, w), dtype=torch.uint8)
-        u = torch.stack([d[3] for d in drawn])
+        u = torch.stack([d[1] for d in drawn])
         if not colour:
-            for i, (crop, hflip, vflip, _) in enumerate(drawn):
-                _hwc_to_chw(crop, out[i].numpy(), hflip, vflip)
-            return out, u
+            hwc = torch.from_numpy(np.stack([d[0] for d in drawn]))
+            return hwc.permute(0, 3, 1, 2).contiguous(), u
+        out = torch.empty((len(drawn), 3, h, w), dtype=torch.uint8)
         params = self.numpy_params(u)
-        for i, (crop, hflip, vflip, _) in enumerate(drawn):
-            self.colour(crop, hflip, vflip, params, i, out[i].numpy())
+        for i, (crop, _) in enumerate(drawn):
+            self.colour(crop, params, i, out[i].numpy())
         return out

@@ -90,7 +90,7 @@ def _fast_and_reference(ops, crops, seed=1) -> tuple[torch.Tensor, torch.Tensor]
     """(fast uint8 views, reference views on the 0–255 scale) of one view of ``ops``, same uniforms."""
     t = A.ViewTransform(ops, MEAN, STD)
     u = torch.rand(len(crops), t.n_uniforms, generator=torch.Generator().manual_seed(seed))
-    drawn = [(c.permute(1, 2, 0).numpy().copy(), False, False, u[i]) for i, c in enumerate(crops)]
+    drawn = [(c.permute(1, 2, 0).numpy().copy(), u[i]) for i, c in enumerate(crops)]
     return F.FastView(t).batch(drawn, colour=True), levels(t.finish(crops, u))
 
 
@@ -147,10 +147,11 @@ def test_each_ops_parameter_distribution_is_the_declared_one():
     view = build_view_transforms("mocov2", 16, views=[{"crop": {"scale": [0.2, 0.5]}, "hflip": {}}])[0]
     fv = F.FastView(view)
     boxes = []
-    fv._resized_crop = lambda image, top, left, h, w: (boxes.append((h, w)), np.zeros((16, 16, 3), np.uint8))[1]
+    ramp = np.broadcast_to(np.arange(16, dtype=np.uint8)[None, :, None], (16, 16, 3))  # brighter to the right
+    fv._resized_crop = lambda image, top, left, h, w: (boxes.append((h, w)), ramp)[1]
     image = np.zeros((1000, 1000, 3), np.uint8)
     torch.manual_seed(0)
-    flips = [fv.sample(image)[1] for _ in range(n)]
+    flips = [int(fv.sample(image)[0][0, 0, 0] > 0) for _ in range(n)]  # mirrored: brighter to the left
     h, w = np.array(boxes, dtype=float).T
     assert stats.kstest(h * w / 1e6, stats.uniform(0.2, 0.3).cdf).pvalue > 1e-3
     assert stats.kstest(np.log(w / h), stats.uniform(math.log(3 / 4), math.log(16 / 9)).cdf).pvalue > 1e-3
