@@ -127,6 +127,34 @@ def bench_workers(root: Path, runs: int) -> list[tuple[str, float]]:
     return out
 
 
+def bench_device(root: Path, runs: int, device: torch.device) -> list[tuple[str, float, float]]:
+    """``data.backend: device``, MoCo v2 at 224 px, batches of 32: the workers' share (read, JPEG
+    header, draws) and the device's (batched decode, crops, colour, normalisation), each alone."""
+    from pretrain.data import finish_views
+
+    views = build_view_transforms("mocov2", 224)
+    ds = ImageDataset(root, views, seed=0, backend="device")
+    batches = [collate(ds.__getitems__(list(range(i, min(i + 32, len(ds)))))) for i in range(0, len(ds), 32)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def on_device():
+        for batch in batches:
+            finish_views(batch[0], views, device)
+        sync()
+
+    return interleaved(
+        [
+            (
+                "mocov2 224 px, `data.backend: device`: workers' share",
+                lambda: ds.__getitems__(list(range(len(ds)))),
+                len(ds),
+            ),
+            (f"mocov2 224 px, `data.backend: device`: decode + views on {device}", on_device, len(ds)),
+        ],
+        runs,
+    )
+
+
 def machine() -> str:
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -174,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--device", help="also time data.backend=device on this device (cuda: tools/gpu_check.sh)")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     torch.set_num_threads(1)
@@ -184,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         results = bench_pipelines(root, paths, args.runs)
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # workers: one core each
         workers = bench_workers(root, args.runs)
+        if args.device:
+            workers += [(name, r) for name, r, _ in bench_device(root, args.runs, torch.device(args.device))]
         load = f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}"
         text = report(results, workers, paths, machine().format(load=load))
     args.out.write_text(text)

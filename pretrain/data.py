@@ -46,7 +46,7 @@ __all__ = [
 # Errors PIL raises for unreadable files (UnidentifiedImageError and truncation are OSErrors);
 # simplejpeg raises ValueError (the fast backend).
 _DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
-BACKENDS = ("fast", "torchvision")  # data.backend (docs/augmentation.md)
+BACKENDS = ("fast", "torchvision", "device")  # data.backend (docs/augmentation.md)
 
 
 def _seed(*parts) -> int:
@@ -125,12 +125,18 @@ class ImageDataset(Dataset):
             raise ValueError(f"data.backend={backend!r}: expected one of {', '.join(BACKENDS)}")
         # "fast" (pretrain/augment/fast.py): the same draws on uint8; its views are uint8, which
         # finish_views normalises on the device. "torchvision": the exact reference, float32 views.
+        # "device" (pretrain/augment/on_device.py): the workers send the JPEG bytes and the draws;
+        # finish_views decodes and augments on the device.
         self.backend = backend
         self.fast = None
         if backend == "fast":
             from pretrain.augment.fast import FastView
 
             self.fast = [FastView(t) if isinstance(t, ViewTransform) else None for t in self.views]
+        if backend == "device":
+            from pretrain.augment.on_device import DeviceView
+
+            self.on_device = [DeviceView(t) for t in self.views]
         self.seed = int(seed)
         self.samples, self.classes = _scan(self.root)
         # Shared memory: DataLoader workers (persistent ones too) see set_epoch made in the parent.
@@ -157,7 +163,18 @@ class ImageDataset(Dataset):
             f"no readable image in {self.root} ({len(bad)} files tried, e.g. {bad[0]}); check the files or data.root"
         )
 
-    def _decode(self, path: str) -> torch.Tensor | np.ndarray:
+    def _decode(self, path: str):
+        if self.backend == "device":  # the bytes and the size from the header; Pillow if no JPEG
+            from pretrain.augment.on_device import jpeg_size
+
+            with open(path, "rb") as f:
+                data = f.read()
+            size = jpeg_size(data)
+            if size is not None:
+                return torch.frombuffer(bytearray(data), dtype=torch.uint8), size
+            with Image.open(path) as im:
+                image = v2.functional.to_image(im.convert("RGB"))
+            return image, tuple(image.shape[-2:])
         if self.fast is not None:
             from pretrain.augment.fast import decode_rgb
 
@@ -172,6 +189,8 @@ class ImageDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[list[torch.Tensor], int, list[str]]]:
         if self.fast is not None:
             return self._getitems_fast(indices)
+        if self.backend == "device":
+            return self._getitems_encoded(indices)
         epoch, drawn, labels, bads = int(self._epoch), [], [], []
         for index in indices:
             image, label, bad = self._load(int(index))
@@ -216,6 +235,21 @@ class ImageDataset(Dataset):
             per_view.append(list(zip(*(v.unbind(0) for v in views))) if isinstance(views, tuple) else views.unbind(0))
         return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
 
+    def _getitems_encoded(self, indices: Sequence[int]) -> list[tuple]:
+        """__getitems__ of the device backend: per sample an Encoded (bytes and draws), no pixels."""
+        from pretrain.augment.on_device import Encoded
+
+        epoch, out = int(self._epoch), []
+        for index in indices:
+            (data, (height, width)), label, bad = self._load(int(index))
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
+                drawn = [view.sample(height, width) for view in self.on_device]
+            boxes, flips, uniforms = zip(*drawn)
+            encoded = Encoded(data, torch.tensor(boxes), torch.tensor(flips), list(uniforms))
+            out.append((encoded, label, bad))
+        return out
+
     def __getitem__(self, index: int) -> tuple[list[torch.Tensor], int, list[str]]:
         return self.__getitems__([index])[0]
 
@@ -236,13 +270,19 @@ def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def collate(batch) -> tuple[list, torch.Tensor, list[str]]:
     """[(views, label, bad)] → (one B×C×H×W tensor per view, labels (B,), all bad paths). A view
-    left for the device (``colour_on_device``) becomes a pair (B×C×H×W uint8 crops, B×U uniforms)."""
+    left for the device (``colour_on_device``) becomes a pair (B×C×H×W uint8 crops, B×U uniforms);
+    encoded samples (``data.backend: device``) become one EncodedBatch."""
+    from pretrain.augment.on_device import Encoded, EncodedBatch
+
+    labels = torch.tensor([item[1] for item in batch], dtype=torch.int64)
+    bad = [p for item in batch for p in item[2]]
+    if isinstance(batch[0][0], Encoded):
+        return EncodedBatch.collate([item[0] for item in batch]), labels, bad
     views = [
         (torch.stack([c for c, _ in v]), torch.stack([u for _, u in v])) if isinstance(v[0], tuple) else _stack(v)
         for v in zip(*(item[0] for item in batch))
     ]
-    labels = torch.tensor([item[1] for item in batch], dtype=torch.int64)
-    return views, labels, [p for item in batch for p in item[2]]
+    return views, labels, bad
 
 
 def finish_views(
@@ -254,7 +294,12 @@ def finish_views(
     """The batch's views on ``device``: finished views are copied; (crops, uniforms) pairs are
     copied as uint8 and finished there (colour stage + normalisation, batched), which gives the
     views the workers would have made (bit for bit on CPU, to float rounding on CUDA); uint8 views
-    (the fast backend's) are copied as uint8 and normalised there."""
+    (the fast backend's) are copied as uint8 and normalised there; an EncodedBatch (the device
+    backend's) is decoded and augmented there."""
+    from pretrain.augment.on_device import EncodedBatch, decode_views
+
+    if isinstance(views, EncodedBatch):
+        return [v.to(memory_format=memory_format) for v in decode_views(views, transforms, device)]
     out = []
     for view, transform in zip(views, transforms):
         if isinstance(view, tuple):
