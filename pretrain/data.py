@@ -212,7 +212,9 @@ class ImageDataset(Dataset):
 
     def _getitems_fast(self, indices: Sequence[int]) -> list[tuple[list, int, list[str]]]:
         """__getitems__ of the fast backend: the same seeding and draws, uint8 views (or, with
-        colour_on_device, the same (uint8 crop, uniforms) pairs as the reference)."""
+        colour_on_device, (uint8 crop, uniforms) pairs as the reference's, marked FastCrops)."""
+        from pretrain.augment.fast import FastCrops
+
         epoch, drawn, labels, bads = int(self._epoch), [], [], []
         for index in indices:
             image, label, bad = self._load(int(index))
@@ -232,7 +234,10 @@ class ImageDataset(Dataset):
                 per_view.append([d[j] for d in drawn])
                 continue
             views = fv.batch([d[j] for d in drawn], colour=not self.colour_on_device)
-            per_view.append(list(zip(*(v.unbind(0) for v in views))) if isinstance(views, tuple) else views.unbind(0))
+            if isinstance(views, tuple):
+                per_view.append([FastCrops(c, u) for c, u in zip(*(v.unbind(0) for v in views))])
+            else:
+                per_view.append(views.unbind(0))
         return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
 
     def _getitems_encoded(self, indices: Sequence[int]) -> list[tuple]:
@@ -272,6 +277,7 @@ def collate(batch) -> tuple[list, torch.Tensor, list[str]]:
     """[(views, label, bad)] → (one B×C×H×W tensor per view, labels (B,), all bad paths). A view
     left for the device (``colour_on_device``) becomes a pair (B×C×H×W uint8 crops, B×U uniforms);
     encoded samples (``data.backend: device``) become one EncodedBatch."""
+    from pretrain.augment.fast import FastCrops
     from pretrain.augment.on_device import Encoded, EncodedBatch
 
     labels = torch.tensor([item[1] for item in batch], dtype=torch.int64)
@@ -282,6 +288,7 @@ def collate(batch) -> tuple[list, torch.Tensor, list[str]]:
         (torch.stack([c for c, _ in v]), torch.stack([u for _, u in v])) if isinstance(v[0], tuple) else _stack(v)
         for v in zip(*(item[0] for item in batch))
     ]
+    views = [FastCrops(*v) if isinstance(v0, FastCrops) else v for v, v0 in zip(views, batch[0][0])]  # keep the mark
     return views, labels, bad
 
 
@@ -293,15 +300,20 @@ def finish_views(
 ) -> list[torch.Tensor]:
     """The batch's views on ``device``: finished views are copied; (crops, uniforms) pairs are
     copied as uint8 and finished there (colour stage + normalisation, batched), which gives the
-    views the workers would have made (bit for bit on CPU, to float rounding on CUDA); uint8 views
-    (the fast backend's) are copied as uint8 and normalised there; an EncodedBatch (the device
-    backend's) is decoded and augmented there."""
+    views the workers would have made (bit for bit on CPU, to float rounding on CUDA; the fast
+    backend's pairs by its own kernels on CPU, by torch's on CUDA); uint8 views (the fast backend's)
+    are copied as uint8 and normalised there; an EncodedBatch (the device backend's) is decoded
+    and augmented there."""
     from pretrain.augment.on_device import EncodedBatch, decode_views
 
     if isinstance(views, EncodedBatch):
         return [v.to(memory_format=memory_format) for v in decode_views(views, transforms, device)]
     out = []
+    from pretrain.augment.fast import FastCrops, FastView
+
     for view, transform in zip(views, transforms):
+        if isinstance(view, FastCrops) and device.type == "cpu":  # the workers' kernels, bit for bit
+            view = FastView(transform).finish_on_cpu(*view)
         if isinstance(view, tuple):
             crops, uniforms = (t.to(device, non_blocking=True) for t in view)
             view = transform.finish(crops, uniforms)

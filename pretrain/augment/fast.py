@@ -28,6 +28,7 @@ reference's geometry on the decoded image and then the fast colour stage.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import cv2
 import numba
@@ -44,7 +45,7 @@ from pretrain.augment.pipeline import (
     ViewTransform,
 )
 
-__all__ = ["FastView", "decode_rgb", "LINEAR_UP_TO", "blur_kernel"]
+__all__ = ["FastView", "FastCrops", "decode_rgb", "LINEAR_UP_TO", "blur_kernel"]
 
 # DataLoader workers are processes, one core each: OpenCV's own thread pool would oversubscribe.
 cv2.setNumThreads(1)
@@ -56,7 +57,7 @@ LINEAR_UP_TO = 2.0
 _INTERPOLATION = {
     v2.InterpolationMode.BILINEAR: cv2.INTER_LINEAR,
     v2.InterpolationMode.BICUBIC: cv2.INTER_CUBIC,
-    v2.InterpolationMode.NEAREST: cv2.INTER_NEAREST_EXACT,
+    v2.InterpolationMode.NEAREST: cv2.INTER_NEAREST,  # torch's "nearest" (floor), never antialiased
 }
 
 
@@ -197,6 +198,15 @@ def _to_uint8(x, out):
 # ------------------------------------------------------------------------------ one view
 
 
+class FastCrops(NamedTuple):
+    """The fast backend's (uint8 crop, uniforms) left for the device (``data.colour_on_device``):
+    a pair like the reference's, marked so that on a CPU device ``finish_views`` runs this backend's
+    colour kernels (the views the workers would have made, bit for bit) rather than torch's."""
+
+    crops: torch.Tensor
+    uniforms: torch.Tensor
+
+
 class FastView:
     """A ViewTransform run by the fast backend: ``sample`` draws what the reference draws and
     crops; ``colour`` runs the colour stages of one sample and writes its uint8 view."""
@@ -239,9 +249,8 @@ class FastView:
     def _resized_crop(self, image: np.ndarray, top: int, left: int, height: int, width: int) -> np.ndarray:
         size_h, size_w = self.crop.size
         crop = image[top : top + height, left : left + width]
-        if max(height / size_h, width / size_w) <= LINEAR_UP_TO:
-            interpolation = _INTERPOLATION[v2.InterpolationMode(self.crop.interpolation)]
-        else:
+        interpolation = _INTERPOLATION[v2.InterpolationMode(self.crop.interpolation)]
+        if max(height / size_h, width / size_w) > LINEAR_UP_TO and interpolation != cv2.INTER_NEAREST:
             interpolation = cv2.INTER_AREA
         return cv2.resize(crop, (size_w, size_h), interpolation=interpolation)
 
@@ -281,6 +290,10 @@ class FastView:
                 ).astype(np.float64)
             out.append(p)
         return out
+
+    def finish_on_cpu(self, crops: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """B×3×H×W uint8 crops (CPU) and their uniforms → the uint8 views ``batch`` makes."""
+        return self.batch([(c.permute(1, 2, 0).numpy(), ui) for c, ui in zip(crops, u)], colour=True)
 
     def batch(self, drawn: list[tuple], colour: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The views of a batch from its samples' draws (``sample``): B×3×H×W uint8 views

@@ -183,6 +183,17 @@ def test_fast_views_are_uint8_and_finish_views_normalises_them(train_root):
     assert out[1].dtype == torch.float32 and torch.allclose(out[1], expected, atol=1e-6)
 
 
+def test_colour_left_for_a_cpu_device_gives_the_workers_views_bit_for_bit(train_root):
+    views, indices = build_view_transforms("byol", 24), [4, 0, 77, 123]
+    in_worker, left = (
+        collate(ImageDataset(train_root, views, seed=1, backend="fast", colour_on_device=c).__getitems__(indices))[0]
+        for c in (False, True)
+    )
+    assert isinstance(left[0], F.FastCrops) and left[0].crops.dtype == torch.uint8
+    got, want = finish_views(left, views, CPU), finish_views(in_worker, views, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_fast_views_depend_only_on_seed_epoch_and_index(train_root, tmp_path):
     ds = ImageDataset(train_root, build_view_transforms("byol", 24), seed=5, backend="fast")
     ds.set_epoch(3)
@@ -205,17 +216,23 @@ def test_fast_views_depend_only_on_seed_epoch_and_index(train_root, tmp_path):
 
 
 def test_corrupt_and_non_jpeg_files_take_the_references_paths(train_root, tmp_path):
+    from PIL import Image
+
     files = sorted(train_root.rglob("*.JPEG"))[:4]
     (tmp_path / "a").mkdir()
     for f in files:
         shutil.copy(f, tmp_path / "a" / f.name)
     truncated = tmp_path / "a" / files[1].name
     truncated.write_bytes(truncated.read_bytes()[: len(truncated.read_bytes()) // 2])
-    from PIL import Image
-
-    Image.open(files[2]).save(tmp_path / "a" / "z.png")  # decoded by Pillow
-    ds = ImageDataset(tmp_path, build_view_transforms("mocov2", 16), backend="fast")
-    _, _, bad = ds[1]
-    assert bad == [str(truncated)]
-    views, _, bad = ds[len(ds) - 1]
-    assert bad == [] and views[0].shape == (3, 16, 16)
+    Image.open(files[2]).save(tmp_path / "a" / "x.png")  # decoded by Pillow
+    Image.open(files[2]).convert("L").save(tmp_path / "a" / "y.jpg")  # grayscale JPEG: libjpeg-turbo
+    Image.open(files[3]).convert("CMYK").save(tmp_path / "a" / "z.jpg")  # CMYK JPEG: Pillow
+    views = build_view_transforms("mocov2", 16)
+    fast = ImageDataset(tmp_path, views, backend="fast", colour_on_device=True)
+    ref = ImageDataset(tmp_path, views, colour_on_device=True)
+    _, _, bad = fast[1]
+    assert bad == [str(truncated)] == ref[1][2]
+    for i in range(len(fast) - 3, len(fast)):  # x.png, y.jpg, z.jpg: the same pixels as Pillow's
+        got, u = fast[i][0][0]
+        want, ref_u = ref[i][0][0]
+        assert torch.equal(u, ref_u) and psnr(got[None], want[None]).item() > 30
