@@ -70,7 +70,8 @@ def test_geometry_within_the_stated_psnr_of_the_antialiased_resize():
     image = base.clamp(0, 255).round().to(torch.uint8)
     fv = F.FastView(build_view_transforms("mocov2", 64)[0])
     hwc = image.permute(1, 2, 0).numpy().copy()
-    for side, floor in ((40, 40), (90, 38), (125, 33), (256, 30)):  # factor 0.6, 1.4, 1.95, 4
+    # measured 57.2, 56.6, 55.0, 53.5 dB; bilinear without the area filter at 4×: 49.6 dB
+    for side, floor in ((40, 54), (90, 53), (125, 52), (256, 51)):  # factor 0.6, 1.4, 1.95, 4
         got = torch.from_numpy(fv._resized_crop(hwc, 10, 20, side, side)).permute(2, 0, 1)
         want = TF.resized_crop(image, 10, 20, side, side, [64, 64], antialias=True)
         assert psnr(got[None], want[None]).item() > floor, side
