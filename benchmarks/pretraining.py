@@ -86,7 +86,7 @@ def _engine_seconds(recipe: str, overrides: list[str], warmup: int, steps: int) 
 
 def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> dict:
     from pretrain.config import load_config
-    from pretrain.data import ImageDataset, build_loader
+    from pretrain.data import ImageDataset, build_loader, collate, finish_views
     from pretrain.engine import gpu_settings
     from pretrain.methods import METHODS
     from pretrain.optim import build_optimizer
@@ -117,6 +117,19 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
         sum(backbone(v).float().pow(2).mean() for v in views).backward()
         sync()
 
+    # The data path alone, in this one process (a worker's share per core: decode, views, collate)
+    # plus finish_views on the device, with the recipe's data.backend: images/s beside the step's.
+    data_set = ImageDataset(cfg.data.root, method.view_transforms(cfg), seed=0, backend=cfg.data.backend)
+    batch = cfg.train.batch_size
+    starts = range(0, min(len(data_set), 4 * batch) - batch + 1, batch)
+
+    def data_path():
+        for start in starts:
+            views_b = collate(data_set.__getitems__(list(range(start, start + batch))))[0]
+            finish_views(views_b, data_set.views, device, speed.memory_format)
+        sync()
+
+    data_s = _median_time(data_path, 1, 3)
     bare = _median_time(bare_step, warmup, steps)
     backbone_only = _median_time(backbone_step, warmup, steps)
     engine = _engine_seconds(recipe, overrides, warmup, steps)
@@ -140,6 +153,7 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
         "bare_s": bare,
         "backbone_s": backbone_only,
         "images_per_s": images / engine,
+        "data_images_per_s": len(starts) * batch / data_s,
         "peak_mib": peak,
         "engine_over_bare": engine / bare,
         "bare_over_backbone": bare / backbone_only,
@@ -259,17 +273,18 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
         "",
         "Engine = the real loop (`pretrain.engine.train`) minus its logged data time; bare = the method's "
         "forward/backward/step/after_step on an in-memory batch; backbone = the backbone's forward/backward "
-        "on every view. Goal: engine / bare ≤ 1.05.",
+        "on every view. Goal: engine / bare ≤ 1.05. Data img/s: the data path alone in one process "
+        "(`data.backend` of the recipe: decode, views, collate, then the device's share), per core.",
         "",
         "| recipe | method | arch | px | batch | views | device | channels_last | compiled | engine ms/step | "
-        "images/s | bare ms | engine/bare | backbone ms | bare/backbone | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "images/s | data img/s | bare ms | engine/bare | backbone ms | bare/backbone | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['recipe']} | {r['method']} | {r['arch']} | {r['image_size']} | {r['batch']} | {r['views']} | "
             f"{r['device']} | {r['channels_last']} | {r['compiled']} | {1e3 * r['engine_s']:.1f} | "
-            f"{r['images_per_s']:.1f} | {1e3 * r['bare_s']:.1f} | "
+            f"{r['images_per_s']:.1f} | {r.get('data_images_per_s', float('nan')):.1f} | {1e3 * r['bare_s']:.1f} | "
             f"{r['engine_over_bare']:.3f} | {1e3 * r['backbone_s']:.1f} | {r['bare_over_backbone']:.2f} | "
             f"{r['peak_mib']:.0f} |"
         )

@@ -40,6 +40,9 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "pin_memory": True,
         "max_bad_fraction": 0.001,  # stop when more than this fraction of images cannot be decoded
         "colour_on_device": None,  # colour ops on the GPU after a uint8 copy (null: on CUDA yes, on CPU no)
+        # fast: decode once, uint8 views by OpenCV/numba, normalised on the device (pretrain/augment/fast.py);
+        # torchvision: the exact reference; device: JPEGs decoded and augmented on the GPU (docs/augmentation.md)
+        "backend": "fast",
     },
     "optim": {
         "name": "sgd",  # sgd | lars
@@ -235,6 +238,8 @@ def validate(cfg: DictConfig, num_processes: int) -> None:
         raise ConfigError(
             f"data.min_crop_scale={scale!r}: expected null (the recipe's) or a fraction of the image area in (0, 1]"
         )
+    if cfg.data.backend not in ("fast", "torchvision", "device"):
+        raise ConfigError(f"data.backend={cfg.data.backend!r}: expected fast, torchvision or device")
     for key in ("train.channels_last", "train.cudnn_benchmark", "train.compile", "data.colour_on_device"):
         if OmegaConf.select(cfg, key) not in (None, True, False):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected true, false or null (automatic)")

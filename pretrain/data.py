@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension
@@ -43,7 +44,9 @@ __all__ = [
     "BadImageTracker",
 ]
 
-_DECODE_ERRORS = DECODE_ERRORS  # open_rgb turns them into OSError; kept for readers of this module
+# open_rgb turns Pillow's errors into OSError; simplejpeg raises ValueError (the fast backend).
+_DECODE_ERRORS = DECODE_ERRORS
+BACKENDS = ("fast", "torchvision", "device")  # data.backend (docs/augmentation.md)
 
 
 def _seed(*parts) -> int:
@@ -104,7 +107,12 @@ class ImageDataset(Dataset):
     """
 
     def __init__(
-        self, root: str | os.PathLike, views: Sequence[Callable], seed: int = 0, colour_on_device: bool = False
+        self,
+        root: str | os.PathLike,
+        views: Sequence[Callable],
+        seed: int = 0,
+        colour_on_device: bool = False,
+        backend: str = "torchvision",
     ):
         self.root = Path(root)
         self.views = list(views)
@@ -113,6 +121,22 @@ class ImageDataset(Dataset):
         self.colour_on_device = colour_on_device
         if not self.views:
             raise ValueError("ImageDataset needs at least one view transform")
+        if backend not in BACKENDS:
+            raise ValueError(f"data.backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+        # "fast" (pretrain/augment/fast.py): the same draws on uint8; its views are uint8, which
+        # finish_views normalises on the device. "torchvision": the exact reference, float32 views.
+        # "device" (pretrain/augment/on_device.py): the workers send the JPEG bytes and the draws;
+        # finish_views decodes and augments on the device.
+        self.backend = backend
+        self.fast = None
+        if backend == "fast":
+            from pretrain.augment.fast import FastView
+
+            self.fast = [FastView(t) if isinstance(t, ViewTransform) else None for t in self.views]
+        if backend == "device":
+            from pretrain.augment.on_device import DeviceView
+
+            self.on_device = [DeviceView(t) for t in self.views]
         self.seed = int(seed)
         self.samples, self.classes = _scan(self.root)
         # Shared memory: DataLoader workers (persistent ones too) see set_epoch made in the parent.
@@ -125,19 +149,46 @@ class ImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def _load(self, index: int) -> tuple[torch.Tensor, int, list[str]]:
+    def _load(self, index: int) -> tuple[torch.Tensor | np.ndarray, int, list[str]]:
+        """The decoded image (C×H×W uint8 tensor; H×W×3 numpy for the fast backend), its label,
+        and the unreadable files passed over to reach it."""
         bad = []
         for k in range(len(self.samples)):  # deterministic substitute: the next readable file
             path, label = self.samples[(index + k) % len(self.samples)]
             try:
-                return v2.functional.to_image(open_rgb(path)), label, bad
+                return self._decode(path), label, bad
             except _DECODE_ERRORS:
                 bad.append(path)
         raise UnreadableImagesError(
             f"no readable image in {self.root} ({len(bad)} files tried, e.g. {bad[0]}); check the files or data.root"
         )
 
+    def _decode(self, path: str):
+        if self.backend == "device":  # the bytes and the size from the header; Pillow if no JPEG
+            from pretrain.augment.on_device import jpeg_size
+
+            with open(path, "rb") as f:
+                data = f.read()
+            size = jpeg_size(data)
+            if size is not None:
+                return torch.frombuffer(bytearray(data), dtype=torch.uint8), size
+            image = v2.functional.to_image(open_rgb(path))
+            return image, tuple(image.shape[-2:])
+        if self.fast is not None:
+            from pretrain.augment.fast import decode_rgb
+
+            with open(path, "rb") as f:
+                image = decode_rgb(f.read())
+            if image is not None:
+                return image
+        rgb = open_rgb(path)
+        return np.array(rgb) if self.fast is not None else v2.functional.to_image(rgb)  # writable
+
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[list[torch.Tensor], int, list[str]]]:
+        if self.fast is not None:
+            return self._getitems_fast(indices)
+        if self.backend == "device":
+            return self._getitems_encoded(indices)
         epoch, drawn, labels, bads = int(self._epoch), [], [], []
         for index in indices:
             image, label, bad = self._load(int(index))
@@ -156,6 +207,51 @@ class ImageDataset(Dataset):
             else:
                 per_view.append([d[j] for d in drawn])
         return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
+
+    def _getitems_fast(self, indices: Sequence[int]) -> list[tuple[list, int, list[str]]]:
+        """__getitems__ of the fast backend: the same seeding and draws, uint8 views (or, with
+        colour_on_device, (uint8 crop, uniforms) pairs as the reference's, marked FastCrops)."""
+        from pretrain.augment.fast import FastCrops
+
+        epoch, drawn, labels, bads = int(self._epoch), [], [], []
+        for index in indices:
+            image, label, bad = self._load(int(index))
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
+                drawn.append(
+                    [
+                        fv.sample(image) if fv is not None else t(torch.from_numpy(image).permute(2, 0, 1))
+                        for fv, t in zip(self.fast, self.views)
+                    ]
+                )
+            labels.append(label)
+            bads.append(bad)
+        per_view: list = []
+        for j, fv in enumerate(self.fast):
+            if fv is None:
+                per_view.append([d[j] for d in drawn])
+                continue
+            views = fv.batch([d[j] for d in drawn], colour=not self.colour_on_device)
+            if isinstance(views, tuple):
+                per_view.append([FastCrops(c, u) for c, u in zip(*(v.unbind(0) for v in views))])
+            else:
+                per_view.append(views.unbind(0))
+        return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
+
+    def _getitems_encoded(self, indices: Sequence[int]) -> list[tuple]:
+        """__getitems__ of the device backend: per sample an Encoded (bytes and draws), no pixels."""
+        from pretrain.augment.on_device import Encoded
+
+        epoch, out = int(self._epoch), []
+        for index in indices:
+            (data, (height, width)), label, bad = self._load(int(index))
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
+                drawn = [view.sample(height, width) for view in self.on_device]
+            boxes, flips, uniforms = zip(*drawn)
+            encoded = Encoded(data, torch.tensor(boxes), torch.tensor(flips), list(uniforms))
+            out.append((encoded, label, bad))
+        return out
 
     def __getitem__(self, index: int) -> tuple[list[torch.Tensor], int, list[str]]:
         return self.__getitems__([index])[0]
@@ -177,13 +273,21 @@ def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def collate(batch) -> tuple[list, torch.Tensor, list[str]]:
     """[(views, label, bad)] → (one B×C×H×W tensor per view, labels (B,), all bad paths). A view
-    left for the device (``colour_on_device``) becomes a pair (B×C×H×W uint8 crops, B×U uniforms)."""
+    left for the device (``colour_on_device``) becomes a pair (B×C×H×W uint8 crops, B×U uniforms);
+    encoded samples (``data.backend: device``) become one EncodedBatch."""
+    from pretrain.augment.fast import FastCrops
+    from pretrain.augment.on_device import Encoded, EncodedBatch
+
+    labels = torch.tensor([item[1] for item in batch], dtype=torch.int64)
+    bad = [p for item in batch for p in item[2]]
+    if isinstance(batch[0][0], Encoded):
+        return EncodedBatch.collate([item[0] for item in batch]), labels, bad
     views = [
         (torch.stack([c for c, _ in v]), torch.stack([u for _, u in v])) if isinstance(v[0], tuple) else _stack(v)
         for v in zip(*(item[0] for item in batch))
     ]
-    labels = torch.tensor([item[1] for item in batch], dtype=torch.int64)
-    return views, labels, [p for item in batch for p in item[2]]
+    views = [FastCrops(*v) if isinstance(v0, FastCrops) else v for v, v0 in zip(views, batch[0][0])]  # keep the mark
+    return views, labels, bad
 
 
 def finish_views(
@@ -194,12 +298,26 @@ def finish_views(
 ) -> list[torch.Tensor]:
     """The batch's views on ``device``: finished views are copied; (crops, uniforms) pairs are
     copied as uint8 and finished there (colour stage + normalisation, batched), which gives the
-    views the workers would have made (bit for bit on CPU, to float rounding on CUDA)."""
+    views the workers would have made (bit for bit on CPU, to float rounding on CUDA; the fast
+    backend's pairs by its own kernels on CPU, by torch's on CUDA); uint8 views (the fast backend's)
+    are copied as uint8 and normalised there; an EncodedBatch (the device backend's) is decoded
+    and augmented there."""
+    from pretrain.augment.on_device import EncodedBatch, decode_views
+
+    if isinstance(views, EncodedBatch):
+        return [v.to(memory_format=memory_format) for v in decode_views(views, transforms, device)]
     out = []
+    from pretrain.augment.fast import FastCrops, FastView
+
     for view, transform in zip(views, transforms):
+        if isinstance(view, FastCrops) and device.type == "cpu":  # the workers' kernels, bit for bit
+            view = FastView(transform).finish_on_cpu(*view)
         if isinstance(view, tuple):
             crops, uniforms = (t.to(device, non_blocking=True) for t in view)
             view = transform.finish(crops, uniforms)
+        elif view.dtype == torch.uint8 and isinstance(transform, ViewTransform):
+            x = v2.functional.to_dtype(view.to(device, non_blocking=True), torch.float32, scale=True)
+            view = v2.functional.normalize(x, transform.normalize.mean, transform.normalize.std, inplace=True)
         out.append(view.to(device, non_blocking=True, memory_format=memory_format))
     return out
 

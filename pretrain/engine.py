@@ -208,7 +208,9 @@ def _train(cfg, accelerator: Accelerator) -> Path:
     views = method.view_transforms(cfg)  # two views of data.augmentation, or the method's own (multi-crop)
     device = accelerator.device
     colour_on_device = device.type == "cuda" if cfg.data.colour_on_device is None else cfg.data.colour_on_device
-    dataset = ImageDataset(cfg.data.root, views, seed=cfg.train.seed, colour_on_device=colour_on_device)
+    dataset = ImageDataset(
+        cfg.data.root, views, seed=cfg.train.seed, colour_on_device=colour_on_device, backend=cfg.data.backend
+    )
     method.check_classes(dataset.classes, cfg.data.root)
     loader = build_loader(
         dataset,
@@ -263,6 +265,9 @@ def _train(cfg, accelerator: Accelerator) -> Path:
         disable=not accelerator.is_local_main_process,
         dynamic_ncols=True,
     )
+    # data_time: how long each step waited for its batch; step_time: the rest of the step up to its
+    # metrics row (checkpoint included), so the two add up to the wall time between rows.
+    waited, loop_start = 0.0, time.perf_counter()
     while step < last_step:
         epoch, start_batch = divmod(step, steps_per_epoch)
         set_loader_epoch(loader, epoch, start_batch)
@@ -273,7 +278,9 @@ def _train(cfg, accelerator: Accelerator) -> Path:
             return images, batch[1].to(device, non_blocking=True), batch[2]
 
         for images, labels, bad in prefetch(loader, to_device):
-            t_data = time.perf_counter() - t0
+            t_batch = time.perf_counter()
+            t_data = t_batch - t0
+            waited += t_data
             bad_images.update(bad, n_local)
             lr = lr_at(cfg, step, steps_per_epoch)
             for group in optimizer.param_groups:
@@ -306,29 +313,24 @@ def _train(cfg, accelerator: Accelerator) -> Path:
             optimizer.step()
             method.after_step(skipped=accelerator.optimizer_step_was_skipped)  # e.g. AdCo's ascent
             step += 1
-            t_step = time.perf_counter() - t0
+            if step % cfg.train.checkpoint_every == 0 or step == last_step:
+                save(step)
 
             if step % cfg.train.log_every == 0 or diagnose or step == last_step:
-                row = {
-                    "step": step,
-                    "epoch": step / steps_per_epoch,
-                    "lr": lr,
-                    "data_time": t_data,
-                    "step_time": t_step,
-                }
+                row = {"step": step, "epoch": step / steps_per_epoch, "lr": lr, "data_time": t_data}
                 row.update({k: accelerator.reduce(v.detach().float(), "mean").item() for k, v in output.items()})
                 if diagnose:
                     scaler = accelerator.scaler  # fp16: the retained gradient carries the loss scale
                     row.update(grad_norm_stats(method.watched, scaler.get_scale() if scaler else 1.0))
                     method.watched = None
+                t_step = time.perf_counter() - t_batch  # after .item(): the device finished the step
+                row.update(step_time=t_step, time=time.time())  # time: wall clock (s since the epoch)
                 accelerator.log(row, step=step)
                 if metrics:
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.3g}", data=f"{t_data:.3f}s", step=f"{t_step:.3f}s")
             bar.update(1)
-            if step % cfg.train.checkpoint_every == 0 or step == last_step:
-                save(step)
             if step == last_step:
                 break
             t0 = time.perf_counter()
@@ -357,6 +359,10 @@ def _train(cfg, accelerator: Accelerator) -> Path:
                 metrics.flush()
                 bar.write(f"epoch {step // steps_per_epoch}: kNN top-1 {acc:.2f}%")
     bar.close()
+    wall = time.perf_counter() - loop_start
+    accelerator.print(
+        f"waited for data {waited:.1f} s of {wall:.1f} s of training ({waited / max(wall, 1e-9):.1%} of the wall time)"
+    )
 
     # ------------------------------------------------------------------ export
     final = out / FINAL_NAME

@@ -3,7 +3,9 @@
 #   1. SimCLR on 1 GPU vs 2 GPUs (NCCL, torch SyncBatchNorm), same global batch: equal losses;
 #      MoCo v2 on 2 GPUs (shuffle BN across GPUs): trains with finite losses;
 #   2. images/s and peak memory per GPU, fp32 vs bf16, with and without channels_last and
-#      torch.compile (python -m pretrain.bench --device cuda), written to benchmarks/gpu.md.
+#      torch.compile (python -m pretrain.bench --device cuda), written to benchmarks/gpu.md;
+#   3. JPEGs decoded on the GPU (data.backend=device, nvJPEG): a run that trains, and the data path's
+#      images/s per core and on the GPU (python -m benchmarks.data --device cuda).
 # Usage: bash tools/gpu_check.sh            (after `make setup` with a CUDA build of torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +44,11 @@ for variant in "fp32:train.mixed_precision=no" "bf16:train.mixed_precision=bf16"
   $PY -m pretrain.bench --device cuda --no-augmentation --recipes "$RECIPES" --data-root "$DATA/imagenet/train" \
     --set=data.image_size=224 --set=train.batch_size=128 $sets --out "$WORK/bench_$name.md"
 done
+echo "== 3. decode on the GPU (data.backend=device)"
+run mocov2_device 1 tiny_mocov2 data.backend=device
+echo "mocov2, data.backend=device: $(grep -c '"loss"' "$WORK/mocov2_device/metrics.jsonl") finite steps logged" \
+  | tee "$WORK/device.txt"
+$PY -m benchmarks.data --device cuda --runs 5 --out "$WORK/data_device.md" > /dev/null
 {
   echo "# GPU check"
   echo
@@ -49,5 +56,6 @@ done
   echo
   echo "## Equivalence"; echo; echo '```'; cat "$WORK/equivalence.txt"; echo '```'
   for f in "$WORK"/bench_*.md; do echo; echo "## $(basename "$f" .md)"; tail -n +2 "$f"; done
+  echo; echo "## Decode on the GPU (data.backend=device)"; echo; cat "$WORK/device.txt"; tail -n +2 "$WORK/data_device.md"
 } > benchmarks/gpu.md
 echo "wrote benchmarks/gpu.md"

@@ -238,3 +238,29 @@ def test_split_batchnorm_matches_per_split_batchnorm():
         assert torch.allclose(out[s::2], ref, atol=1e-5)
     with pytest.raises(ValueError, match="num_splits=3"):
         SplitBatchNorm(3, num_splits=3)(x)
+
+
+def test_data_time_and_step_time_add_up_to_the_wall_time_between_rows(accelerator, synthetic_root, tmp_path, capsys):
+    """data_time is the wait for the batch, step_time the rest of the step (checkpoint included):
+    consecutive rows' wall-clock ``time`` differ by their sum, within a few percent; the run ends
+    by printing the fraction of wall time spent waiting for data."""
+    import json
+
+    _run(
+        accelerator,
+        "tiny_simclr",
+        synthetic_root,
+        tmp_path,
+        "train.max_steps=8",
+        "train.log_every=1",
+        "train.checkpoint_every=3",
+        "train.resume=none",
+        "knn.train_dir=null",
+    )
+    rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    for before, row in zip(rows[1:], rows[2:]):  # rows[0]: the first batch's wait is before any row
+        wall = row["time"] - before["time"]
+        assert row["data_time"] > 0 and row["step_time"] > 0
+        assert abs(wall - row["data_time"] - row["step_time"]) <= 0.05 * wall + 2e-3, (row["step"], wall)
+    assert "waited for data" in capsys.readouterr().out

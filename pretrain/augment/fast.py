@@ -1,0 +1,314 @@
+"""The fast CPU backend of the views (``data.backend: fast``): the same declared views, the same
+random draws, run on uint8 with libjpeg-turbo, OpenCV and small numba kernels.
+
+What a worker does per image: one decode (simplejpeg, libjpeg-turbo) for all its views; per view
+the geometric draws of the torchvision ops themselves (``RandomResizedCrop.make_params``, the
+flips' ``torch.rand(1)``, then the view's uniforms), in the order ``ViewTransform.sample`` draws
+them, so the parameters are those of the reference (``data.backend: torchvision``) for the same
+``(seed, epoch, index)``; crop + resize on uint8; the colour stages on one float32 planar copy of
+the 224-px view with the parameters ``ViewTransform.params`` decodes (the reference's formulas,
+without rounding between ops); one rounding to uint8. Flips mirror the uint8 crop (they commute
+with every colour op). Out of the worker go uint8 views (a quarter of the bytes of float32);
+``pretrain.data.finish_views`` normalises them on the device.
+
+Shortcuts, each measured in tests/pretrain/test_augment_fast.py and stated in docs/augmentation.md:
+
+* resize: OpenCV's, on uint8 (fixed-point weights). Crops enlarged or shrunk by at most
+  ``LINEAR_UP_TO`` (2×) are resized bilinearly (bicubic) without antialiasing, larger reductions
+  with OpenCV's area filter; the reference antialiases with a triangle (cubic) filter. torchvision's
+  own antialiased uint8 resize costs 1.5–9× OpenCV's bilinear (0.17–0.9 ms per 224-px view).
+* blur: the reference's kernel (exp(−t²/2σ²), reflect padding) truncated to radius ⌈3σ⌉ (at most
+  the declared kernel's radius) and renormalised: at σ = 2 a 13-tap kernel instead of 23.
+* one rounding to uint8 at the end, and solarize's threshold decided on float (as the reference).
+
+Views whose geometric ops are not crop / flips (rotation, affine, perspective, equalize) run the
+reference's geometry on the decoded image and then the fast colour stage.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import cv2
+import numba
+import numpy as np
+import torch
+from torchvision.transforms import v2
+
+from pretrain.augment.jitter_cpu import BRIGHTNESS, CONTRAST, SATURATION
+from pretrain.augment.pipeline import (
+    ColorJitterStage,
+    GaussianBlurStage,
+    GrayscaleStage,
+    SolarizeStage,
+    ViewTransform,
+)
+
+__all__ = ["FastView", "FastCrops", "decode_rgb", "LINEAR_UP_TO", "blur_kernel"]
+
+# DataLoader workers are processes, one core each: OpenCV's own thread pool would oversubscribe.
+cv2.setNumThreads(1)
+
+# Resize factor (crop side / output side) up to which OpenCV's bilinear (or bicubic) resize without
+# antialiasing is used; above it OpenCV's area resize (a box filter: antialiased, not the
+# reference's triangle). PSNR against the reference: docs/augmentation.md.
+LINEAR_UP_TO = 2.0
+_INTERPOLATION = {
+    v2.InterpolationMode.BILINEAR: cv2.INTER_LINEAR,
+    v2.InterpolationMode.BICUBIC: cv2.INTER_CUBIC,
+    v2.InterpolationMode.NEAREST: cv2.INTER_NEAREST,  # torch's "nearest" (floor), never antialiased
+}
+
+
+def decode_rgb(data: bytes) -> np.ndarray | None:
+    """H×W×3 uint8 RGB of a JPEG (simplejpeg: libjpeg-turbo, accurate DCT and upsampling, the
+    same as Pillow's decoder), or None when ``data`` is not a JPEG (the caller uses Pillow).
+    Raises ValueError on a corrupt or truncated JPEG (strict: libjpeg's warnings are errors)."""
+    import simplejpeg
+
+    from contrastive_transfer.images import MAX_IMAGE_PIXELS
+
+    if not simplejpeg.is_jpeg(data):
+        return None
+    header = simplejpeg.decode_jpeg_header(data)
+    if header[0] * header[1] > MAX_IMAGE_PIXELS:  # the one pixel limit, from the header (docs/security.md)
+        raise ValueError(f"its header claims {header[1]}x{header[0]} pixels, above the limit of {MAX_IMAGE_PIXELS}")
+    if header[2] not in ("Gray", "YCbCr", "RGB"):  # CMYK / YCCK: libjpeg-turbo cannot make RGB
+        return None
+    return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
+
+
+def blur_kernel(sigma: float, kernel_size: int) -> np.ndarray:
+    """torchvision's Gaussian kernel for σ, truncated to radius ⌈3σ⌉ (≤ kernel_size // 2),
+    renormalised; float32, as a column for cv2.sepFilter2D."""
+    radius = min(kernel_size // 2, max(1, math.ceil(3 * sigma)))
+    return _gaussian(radius, sigma).reshape(-1, 1)
+
+
+@numba.njit(cache=True, nogil=True)
+def _gaussian(radius, sigma):  # numba: numpy's calls on a 13-element array cost 40 µs per view
+    pdf = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
+    return (pdf / pdf.sum()).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------ numba kernels
+# Why hand-written: the colour ops need per-image parameters and clamps between ops; OpenCV's
+# cvtColor/transform round to uint8 after each op (hue to 1.4° steps), torch's ops are many
+# passes with temporaries (pretrain/augment/jitter_cpu.py). These are one vectorisable pass per op
+# over a planar float32 copy, the reference's formulas.
+
+
+_F0, _F1, _F255 = np.float32(0.0), np.float32(1.0), np.float32(255.0)
+_WR, _WG, _WB = np.float32(0.2989), np.float32(0.587), np.float32(0.114)  # ITU-R 601-2 luma
+
+
+def _to_planar(src: np.ndarray, x: np.ndarray) -> None:
+    """x[c, i·W + j] = src[i, j, c] / 255: H×W×3 uint8 → 3×(H·W) float32 in [0, 1]. OpenCV
+    de-interleaves (SIMD), then one vectorised division per plane."""
+    r, g, b = cv2.split(np.ascontiguousarray(src))
+    _planes_to_float(r.reshape(-1), g.reshape(-1), b.reshape(-1), x)
+
+
+@numba.njit(cache=True, nogil=True)  # no fastmath: v / 255 exactly as torchvision's to_dtype divides
+def _planes_to_float(r, g, b, x):
+    for p in range(r.shape[0]):
+        x[0, p] = np.float32(r[p]) / _F255
+    for p in range(g.shape[0]):
+        x[1, p] = np.float32(g[p]) / _F255
+    for p in range(b.shape[0]):
+        x[2, p] = np.float32(b[p]) / _F255
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _clamp(v):
+    return min(max(v, _F0), _F1)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _hue_channel(k, maxc, chroma):
+    """M − C·clamp(2 − d, 0, 1), d = min(|k|, |k − 6|): channel n from k = H + n − 2 (jitter_cpu.py)."""
+    d = min(abs(k), abs(k - np.float32(6.0)))
+    return maxc - chroma * _clamp(np.float32(2.0) - d)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _hue_(x, shift6):
+    """adjust_hue's closed form (jitter_cpu._hue) in float32, branch-free so that it vectorises."""
+    six = np.float32(6.0)
+    for p in range(x.shape[1]):
+        r, g, b = x[0, p], x[1, p], x[2, p]
+        maxc = max(r, max(g, b))
+        chroma = maxc - min(r, min(g, b))
+        num = (g - b) if maxc == r else (((b - r) + 2 * chroma) if maxc == g else ((r - g) + 4 * chroma))
+        h = num / (chroma if chroma > _F0 else _F1) + shift6
+        h = h - six if h >= six else h
+        h = h + six if h < _F0 else h
+        x[0, p] = _hue_channel(h + np.float32(3.0), maxc, chroma)
+        x[1, p] = _hue_channel(h + _F1, maxc, chroma)
+        x[2, p] = _hue_channel(h - _F1, maxc, chroma)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _jitter_op(x, op, factor):
+    """One ColorJitter op in place on x (3×N float32): the formulas of jitter_cpu.py, in float32."""
+    n = x.shape[1]
+    f = np.float32(factor)
+    if op == BRIGHTNESS:
+        for c in range(3):
+            for p in range(n):
+                x[c, p] = _clamp(f * x[c, p])
+    elif op == CONTRAST:
+        total = 0.0
+        for p in range(n):
+            total += _WR * x[0, p] + _WG * x[1, p] + _WB * x[2, p]
+        offset = np.float32((1.0 - factor) * (total / n))
+        for c in range(3):
+            for p in range(n):
+                x[c, p] = _clamp(f * x[c, p] + offset)
+    elif op == SATURATION:
+        for p in range(n):
+            gray = (_F1 - f) * (_WR * x[0, p] + _WG * x[1, p] + _WB * x[2, p])
+            x[0, p] = _clamp(f * x[0, p] + gray)
+            x[1, p] = _clamp(f * x[1, p] + gray)
+            x[2, p] = _clamp(f * x[2, p] + gray)
+    else:
+        _hue_(x, np.float32((6.0 * factor) % 6.0))
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _grayscale(x):
+    for p in range(x.shape[1]):
+        x[0, p] = x[1, p] = x[2, p] = _WR * x[0, p] + _WG * x[1, p] + _WB * x[2, p]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _solarize(x, threshold):
+    for c in range(3):
+        for p in range(x.shape[1]):
+            if x[c, p] >= threshold:
+                x[c, p] = _F1 - x[c, p]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _to_uint8(x, out):
+    """out (3×N uint8) = round(255·x)."""
+    half = np.float32(0.5)
+    for c in range(3):
+        for p in range(x.shape[1]):
+            out[c, p] = np.uint8(_clamp(x[c, p]) * _F255 + half)
+
+
+# ------------------------------------------------------------------------------ one view
+
+
+class FastCrops(NamedTuple):
+    """The fast backend's (uint8 crop, uniforms) left for the device (``data.colour_on_device``):
+    a pair like the reference's, marked so that on a CPU device ``finish_views`` runs this backend's
+    colour kernels (the views the workers would have made, bit for bit) rather than torch's."""
+
+    crops: torch.Tensor
+    uniforms: torch.Tensor
+
+
+class FastView:
+    """A ViewTransform run by the fast backend: ``sample`` draws what the reference draws and
+    crops; ``colour`` runs the colour stages of one sample and writes its uint8 view."""
+
+    def __init__(self, transform: ViewTransform):
+        self.transform = transform
+        self.crop: v2.RandomResizedCrop | None = None
+        self.flips: list[tuple[int, float]] = []  # (axis: 1 horizontal, 0 vertical, p), in order
+        self.fast_geometry = True
+        for op in transform.geometric:
+            if isinstance(op, v2.RandomResizedCrop) and self.crop is None and not self.flips:
+                self.crop = op
+            elif isinstance(op, (v2.RandomHorizontalFlip, v2.RandomVerticalFlip)):
+                self.flips.append((1 if isinstance(op, v2.RandomHorizontalFlip) else 0, op.p))
+            else:  # rotation, affine, ...; a flip before the crop: the reference's geometry
+                self.fast_geometry = False
+        for stage in transform.stages:
+            if type(stage) not in (ColorJitterStage, GrayscaleStage, GaussianBlurStage, SolarizeStage):
+                raise ValueError(f"fast backend: no kernel for {type(stage).__name__}")
+
+    def sample(self, image: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+        """(H×W×3 uint8 crop, uniforms), from the global RNG like ViewTransform.sample. The flips
+        mirror the uint8 crop: they commute with every colour op (pipeline.py)."""
+        if not self.fast_geometry:
+            crop, u = self.transform.sample(torch.from_numpy(image).permute(2, 0, 1))
+            return np.ascontiguousarray(crop.permute(1, 2, 0).numpy()), u
+        out = image
+        if self.crop is not None:
+            chw = torch.from_numpy(image).permute(2, 0, 1)  # a view: make_params reads the size only
+            box = self.crop.make_params([chw])
+            out = self._resized_crop(image, box["top"], box["left"], box["height"], box["width"])
+        flip = [False, False]  # vertical, horizontal
+        for axis, p in self.flips:
+            if not bool(torch.rand(1) >= p):  # RandomHorizontalFlip's test: flipped when rand < p
+                flip[axis] = not flip[axis]
+        if flip[0] or flip[1]:  # cv2.flip: 5 µs; numpy's copy of a mirrored view is 50× slower
+            out = cv2.flip(out, -1 if flip[0] and flip[1] else int(flip[1]))  # 0 vertical, 1 horizontal
+        return out, torch.rand(self.transform.n_uniforms)
+
+    def _resized_crop(self, image: np.ndarray, top: int, left: int, height: int, width: int) -> np.ndarray:
+        size_h, size_w = self.crop.size
+        crop = image[top : top + height, left : left + width]
+        interpolation = _INTERPOLATION[v2.InterpolationMode(self.crop.interpolation)]
+        if max(height / size_h, width / size_w) > LINEAR_UP_TO and interpolation != cv2.INTER_NEAREST:
+            interpolation = cv2.INTER_AREA
+        return cv2.resize(crop, (size_w, size_h), interpolation=interpolation)
+
+    def colour(self, crop: np.ndarray, params: list[dict], i: int, out: np.ndarray) -> None:
+        """Sample i's colour stages (``params``: the batch's, as numpy) on ``crop``; the uint8
+        view into ``out`` (3×H×W)."""
+        h, w, _ = crop.shape
+        x = np.empty((3, h * w), dtype=np.float32)
+        _to_planar(crop, x)
+        for stage, p in zip(self.transform.stages, params):
+            if not p["apply"][i]:
+                continue
+            if isinstance(stage, ColorJitterStage):
+                for op in p["order"][i]:
+                    if stage.enabled[op]:
+                        _jitter_op(x, op, p["factors"][i, op])
+            elif isinstance(stage, GrayscaleStage):
+                _grayscale(x)
+            elif isinstance(stage, GaussianBlurStage):
+                k = blur_kernel(float(p["sigma"][i]), stage.kernel_size)
+                for plane in x.reshape(3, h, w):
+                    cv2.sepFilter2D(plane, -1, k, k, dst=plane, borderType=cv2.BORDER_REFLECT_101)
+            else:
+                _solarize(x, np.float32(stage.threshold))
+        _to_uint8(x, out.reshape(3, h * w))
+
+    def numpy_params(self, u: torch.Tensor) -> list[dict]:
+        """The batch's per-stage parameters (ViewTransform.params) as numpy; the jitter's four
+        factors as one B×4 array (0 where a component is off)."""
+        out = []
+        for stage, params in zip(self.transform.stages, self.transform.params(u)):
+            p = {k: v.numpy() for k, v in params.items()}
+            if isinstance(stage, ColorJitterStage):
+                names = [name for name, _, _ in stage.components]
+                p["factors"] = np.stack(
+                    [p[n] if on else np.zeros(len(u)) for n, on in zip(names, stage.enabled)], axis=1
+                ).astype(np.float64)
+            out.append(p)
+        return out
+
+    def finish_on_cpu(self, crops: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """B×3×H×W uint8 crops (CPU) and their uniforms → the uint8 views ``batch`` makes."""
+        return self.batch([(c.permute(1, 2, 0).numpy(), ui) for c, ui in zip(crops, u)], colour=True)
+
+    def batch(self, drawn: list[tuple], colour: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The views of a batch from its samples' draws (``sample``): B×3×H×W uint8 views
+        (``colour``), or the uint8 crops with their uniforms for the device (``colour`` False)."""
+        h, w, _ = drawn[0][0].shape
+        u = torch.stack([d[1] for d in drawn])
+        if not colour:
+            hwc = torch.from_numpy(np.stack([d[0] for d in drawn]))
+            return hwc.permute(0, 3, 1, 2).contiguous(), u
+        out = torch.empty((len(drawn), 3, h, w), dtype=torch.uint8)
+        params = self.numpy_params(u)
+        for i, (crop, _) in enumerate(drawn):
+            self.colour(crop, params, i, out[i].numpy())
+        return out
