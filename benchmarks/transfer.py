@@ -208,8 +208,9 @@ def write_table(rows: dict[str, dict], out: Path, args) -> None:
         "initialization, seed 0), then evaluates the backbone: kNN (k 20) and the VOC07 SVM (res5avg, 128 px) "
         f"are deterministic; the `bn` linear probe (10 epochs) and the FPN fine-tune on the synthetic VOC07+12 "
         f"({DETECTION_ITERS} iterations of 2 images at 96 px on the frozen backbone, "
-        f"`configs/detection/{DETECTION_CONFIG.name}`, lr × 0.1 at 80 %) are mean ± sample std over {args.seeds} seeds of the fine-tune. Gain: over random "
-        "init; ✓ where it exceeds twice its standard error. Machine: "
+        f"`configs/detection/{DETECTION_CONFIG.name}`, lr × 0.1 at 80 %) are mean ± sample std over "
+        f"{args.seeds} seeds of the fine-tune. Gain: over random init; ✓ where it exceeds twice its "
+        "standard error. Machine: "
         f"{platform.machine()}, {os.cpu_count()} CPU cores.",
         "",
         "| row | " + " | ".join(LABELS[m] for m in METRICS) + " | " + " | ".join(f"gain {m}" for m in METRICS) + " |",
