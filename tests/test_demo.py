@@ -107,6 +107,14 @@ def test_demo_pipeline_at_the_tiny_preset(synthetic_root, tmp_path):
     for stage in ("voc07_svm", "linear"):
         shutil.rmtree(out / "random" / stage)
     res = subprocess.run([*cmd[:3], str(data), *cmd[4:]], capture_output=True, text=True)
+    # OUT holds the demo of the other data: refused in one line, nothing run
+    assert res.returncode == 2 and res.stderr.strip() == (
+        f"error: {out} holds another demo (data {synthetic_root} (now {data})); pass --fresh (FRESH=1) to redo it, "
+        "or another --out"
+    ), res.stderr
+    settings = json.loads((out / "demo.json").read_text())  # as if OUT had been made from the copy
+    (out / "demo.json").write_text(json.dumps({**settings, "data": str(data)}))
+    res = subprocess.run([*cmd[:3], str(data), *cmd[4:]], capture_output=True, text=True)
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1] == "error: 1 stage(s) failed: random-voc07-svm"
     assert (out / "random" / "linear" / "metrics.json").is_file()

@@ -406,6 +406,22 @@ def write_report(args, budget: Budget, failed: dict[str, str]) -> Path:
     return report
 
 
+def claim_output(args) -> str | None:
+    """Record what OUT holds (OUT/demo.json); the reason to refuse when it holds another demo, whose
+    finished stages would otherwise be taken for this one's."""
+    settings = {"method": args.method, "preset": args.preset, "seed": args.seed, "data": str(args.data)}
+    record = args.out / "demo.json"
+    if record.is_file():
+        held = json.loads(record.read_text())
+        if held != settings:
+            diff = ", ".join(f"{k} {held.get(k)} (now {v})" for k, v in settings.items() if held.get(k) != v)
+            return f"{args.out} holds another demo ({diff}); pass --fresh (FRESH=1) to redo it, or another --out"
+        return None
+    args.out.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(settings, indent=1))
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("datasets/synthetic"))
@@ -424,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     args.data, args.out = args.data.resolve(), args.out.resolve()
     if args.fresh and args.out.exists():
         shutil.rmtree(args.out)
+    stale = claim_output(args)
+    if stale:
+        print(f"error: {stale}", file=sys.stderr)
+        return 2
     budget = BUDGETS[args.preset]
     # One stage at a time uses all cores; passive OpenMP waiting keeps idle threads from spinning.
     env = {
