@@ -37,7 +37,8 @@ BACKBONES = ("pretrained", "random")
 DETECTION_NOTE = (
     "Detection: the FPN and heads fine-tuned for {iters} iterations on the backbone's frozen features "
     "(`configs/detection/tiny_voc0712_R_18_FPN_frozen.yaml`), what the features give detection at a CPU "
-    "budget; measured beforehand with tiny SimCLR against random init (2 seeds each): AP50 5.4 ± 0.8 vs "
+    "budget; measured beforehand with tiny SimCLR (pretrained with `data.backend: torchvision`) "
+    "against random init (2 seeds each): AP50 5.4 ± 0.8 vs "
     "3.1 ± 0.1 at 400 iterations, 9.5 ± 0.5 vs 4.8 ± 0.7 at 600. With the whole network fine-tuned (the "
     "MoCo paper's protocol, `tiny_voc0712_R_18_FPN_syncbn.yaml`, constant lr, one seed), a random-init "
     "backbone catches up with a 6-epoch tiny MoCo v2 within the first thousand iterations (AP50 4.2 vs "
