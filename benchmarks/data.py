@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ import torch  # noqa: E402
 from torchvision.io import decode_image, decode_jpeg  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
+from benchmarks import cpu_name  # noqa: E402
 from contrastive_transfer.synthetic.generate import render_classification  # noqa: E402
 from pretrain.augment import build_view_transforms  # noqa: E402
 from pretrain.data import ImageDataset, build_loader, collate, set_loader_epoch  # noqa: E402
@@ -157,12 +156,7 @@ def bench_device(root: Path, runs: int, device: torch.device) -> list[tuple[str,
 
 
 def machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    return f"{model}, {os.cpu_count()} cores; load average before/after: {{load}}"
+    return f"{cpu_name()}, {os.cpu_count()} cores; load average before/after: {{load}}"
 
 
 def report(results, workers, paths, machine_line: str) -> str:

@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 from pathlib import Path
 
+from benchmarks import cpu_name
 from benchmarks.learning import EPOCHS, RECIPES, _git_sha, config_hash, ensure_small_synthetic, run_logged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,8 +210,8 @@ def write_table(rows: dict[str, dict], out: Path, args) -> None:
         f"({DETECTION_ITERS} iterations of 2 images at 96 px on the frozen backbone, "
         f"`configs/detection/{DETECTION_CONFIG.name}`, lr × 0.1 at 80 %) are mean ± sample std over "
         f"{args.seeds} seeds of the fine-tune. Gain: over random init; ✓ where it exceeds twice its "
-        "standard error. Machine: "
-        f"{platform.machine()}, {os.cpu_count()} CPU cores.",
+        f"standard error. Machine: {cpu_name()}, {os.cpu_count()} cores; other jobs may have shared it (each "
+        "row's JSON under --work has the load average when it ended), which moves times, not figures.",
         "",
         "| row | " + " | ".join(LABELS[m] for m in METRICS) + " | " + " | ".join(f"gain {m}" for m in METRICS) + " |",
         "|---|" + "---|" * (2 * len(METRICS)),
