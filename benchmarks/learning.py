@@ -144,32 +144,30 @@ def evaluate(weights: Path, data: Path, out: Path, probe: bool = True) -> dict[s
     return {"knn_top1": knn["top1"], "linear_top1": linear["top1"]}
 
 
+def random_init_record(path: Path, arch: str, stem: str, image_size: int) -> None:
+    """torchvision's initialization of ``arch`` (seed 0) in this project's backbone record, so that
+    --crop auto sees the pretraining size: the random-init row of the learning and transfer tables."""
+    import torch
+    import torchvision
+
+    from contrastive_transfer.cli import atomic_write
+
+    torch.manual_seed(0)
+    state = {k: v for k, v in getattr(torchvision.models, arch)().state_dict().items() if not k.startswith("fc.")}
+    record = {"backbone": state, "arch": arch, "stem": stem, "method": "random", "step": 0}
+    record["config"] = {"data": {"image_size": image_size}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: torch.save(record, tmp))
+
+
 def random_baseline(
     arch: str, stem: str, image_size: int, data: Path, work: Path, probe: bool = True
 ) -> dict[str, float]:
     """The same architecture at torchvision's initialization (seed 0), evaluated once per (arch, stem, size)."""
-    import torch
-    import torchvision
-
     out = work / "random" / f"{arch}_{stem}_{image_size}"
     weights = out / "checkpoint_final.pth"
     if not weights.is_file():
-        torch.manual_seed(0)
-        net = getattr(torchvision.models, arch)()
-        out.mkdir(parents=True, exist_ok=True)
-        state = {k: v for k, v in net.state_dict().items() if not k.startswith("fc.")}
-        # In this project's layout, so that --crop auto sees the same pretraining size.
-        torch.save(
-            {
-                "backbone": state,
-                "arch": arch,
-                "stem": stem,
-                "method": "random",
-                "step": 0,
-                "config": {"data": {"image_size": image_size}},
-            },
-            weights,
-        )
+        random_init_record(weights, arch, stem, image_size)
     return evaluate(weights, data, out, probe)
 
 

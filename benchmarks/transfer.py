@@ -28,7 +28,15 @@ import sys
 from pathlib import Path
 
 from benchmarks import cpu_name
-from benchmarks.learning import EPOCHS, RECIPES, _git_sha, config_hash, ensure_small_synthetic, run_logged
+from benchmarks.learning import (
+    EPOCHS,
+    RECIPES,
+    _git_sha,
+    config_hash,
+    ensure_small_synthetic,
+    random_init_record,
+    run_logged,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # One recipe per family (the issue's list), the supervised baseline, and random init.
@@ -68,7 +76,7 @@ def pretrain(row: str, data: Path, run: Path) -> Path:
     if final.is_file():
         return final
     if row == "random":
-        random_checkpoint(final)
+        random_init_record(final, "resnet18", "imagenet", 64)
         return final
     overrides = [
         f"data.root={data / 'imagenet' / 'train'}",
@@ -79,21 +87,6 @@ def pretrain(row: str, data: Path, run: Path) -> Path:
     ]
     run_logged(_py("pretrain", "--config", str(RECIPES / f"{row}.yaml"), *overrides), run / "pretrain.log")
     return final
-
-
-def random_checkpoint(path: Path) -> None:
-    """torchvision's ResNet-18 initialization (seed 0) in the project's backbone record, at 64 px."""
-    import torch
-    import torchvision
-
-    from contrastive_transfer.cli import atomic_write
-
-    torch.manual_seed(0)
-    state = {k: v for k, v in torchvision.models.resnet18().state_dict().items() if not k.startswith("fc.")}
-    record = {"backbone": state, "arch": "resnet18", "stem": "imagenet", "method": "random", "step": 0}
-    record["config"] = {"data": {"image_size": 64}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: torch.save(record, tmp))
 
 
 def _json(path: Path) -> dict:
