@@ -2,13 +2,14 @@
 ImageNet-like set, then kNN and linear-probe top-1 of the exported backbone against the same
 architecture at random initialization, with wall time, images/s and peak memory.
 
-    python -m benchmarks.learning [--recipes tiny_simclr,tiny_mocov2] [--epochs 6] [--fresh]
-    python -m pretrain.bench learning ...                       (the same command)
+    python -m benchmarks.learning [--recipes tiny_simclr,tiny_mocov2] [--epochs 6] [--seeds 3] [--fresh]
 
-Rows are kept per recipe under --work (a measured row is not redone unless --fresh, or unless the
-recipe's resolved config no longer hashes to the row's: an edited recipe is measured again, from a
-clean run directory), so the table can be built across several runs; each run rewrites --out
-(markdown) and its PNG bar chart from all rows measured so far, listing the recipes not measured yet.
+Each recipe is pretrained with seeds 0..S-1 and compared with random inits of the same seeds; a
+row is the mean ± std over its seeds, and it clears the 5-point kNN margin on its mean gain.
+Runs are kept per (recipe, seed) under --work (a measured run is not redone unless --fresh, or
+unless the recipe's resolved config no longer hashes to the run's: an edited recipe is measured
+again, from a clean run directory), so the table can be built across several sessions; each run
+rewrites --out (markdown) and its PNG from everything measured so far, listing what is missing.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from benchmarks import cell, cpu_name, mean_std
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "configs" / "pretrain"
@@ -32,6 +35,8 @@ RECIPES = ROOT / "configs" / "pretrain"
 # backbones and so did lr 0.3 on tiny_simclr's, whose features are larger than a random init's.
 KNN_K, PROBE_PRESET = 20, "bn"
 EPOCHS = 6  # pretraining budget of a row: the same images seen by every recipe
+SEEDS = 3  # pretraining seeds per row: one seed's spread (up to ±6 kNN points) exceeds the margin
+MARGIN = 5.0  # kNN points a recipe must gain over its random init
 
 
 def ensure_small_synthetic(data: Path) -> None:
@@ -144,15 +149,15 @@ def evaluate(weights: Path, data: Path, out: Path, probe: bool = True) -> dict[s
     return {"knn_top1": knn["top1"], "linear_top1": linear["top1"]}
 
 
-def random_init_record(path: Path, arch: str, stem: str, image_size: int) -> None:
-    """torchvision's initialization of ``arch`` (seed 0) in this project's backbone record, so that
+def random_init_record(path: Path, arch: str, stem: str, image_size: int, seed: int = 0) -> None:
+    """torchvision's initialization of ``arch`` (``seed``) in this project's backbone record, so that
     --crop auto sees the pretraining size: the random-init row of the learning and transfer tables."""
     import torch
     import torchvision
 
     from contrastive_transfer.cli import atomic_write
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     state = {k: v for k, v in getattr(torchvision.models, arch)().state_dict().items() if not k.startswith("fc.")}
     record = {"backbone": state, "arch": arch, "stem": stem, "method": "random", "step": 0}
     record["config"] = {"data": {"image_size": image_size}}
@@ -161,13 +166,13 @@ def random_init_record(path: Path, arch: str, stem: str, image_size: int) -> Non
 
 
 def random_baseline(
-    arch: str, stem: str, image_size: int, data: Path, work: Path, probe: bool = True
+    arch: str, stem: str, image_size: int, data: Path, work: Path, probe: bool = True, seed: int = 0
 ) -> dict[str, float]:
-    """The same architecture at torchvision's initialization (seed 0), evaluated once per (arch, stem, size)."""
-    out = work / "random" / f"{arch}_{stem}_{image_size}"
+    """The same architecture at torchvision's initialization, evaluated once per (arch, stem, size, seed)."""
+    out = work / "random" / f"{arch}_{stem}_{image_size}" / f"seed{seed}"
     weights = out / "checkpoint_final.pth"
     if not weights.is_file():
-        random_init_record(weights, arch, stem, image_size)
+        random_init_record(weights, arch, stem, image_size, seed)
     return evaluate(weights, data, out, probe)
 
 
@@ -188,17 +193,17 @@ def config_hash(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] 
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = False) -> dict:
+def measure(recipe: str, epochs: int, seed: int, data: Path, work: Path, fresh: bool = False) -> dict:
     from pretrain.config import load_config
 
-    run = work / "runs" / recipe
+    run = work / "runs" / recipe / f"seed{seed}"
     if fresh and run.exists():
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
     overrides = [
         f"data.root={data / 'imagenet' / 'train'}",
         f"train.output_dir={run / 'pretrain'}",
-        *_budget(epochs),
+        *_budget(epochs, seed),
     ]
     cfg = load_config(RECIPES / f"{recipe}.yaml", overrides)
     final = run / "pretrain" / "checkpoint_final.pth"
@@ -215,9 +220,10 @@ def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = Fals
     rows = [json.loads(line) for line in (run / "pretrain" / "metrics.jsonl").read_text().splitlines()]
     steps = max(r["step"] for r in rows if "loss" in r)
     pretrained = evaluate(final, data, run)
-    random = random_baseline(cfg.model.arch, cfg.model.stem, cfg.data.image_size, data, work)
+    random = random_baseline(cfg.model.arch, cfg.model.stem, cfg.data.image_size, data, work, seed=seed)
     return {
         "recipe": recipe,
+        "seed": seed,
         "method": cfg.method.name,
         "loss": cfg.method.get("loss", "-"),
         "epochs": epochs,
@@ -231,7 +237,7 @@ def measure(recipe: str, epochs: int, data: Path, work: Path, fresh: bool = Fals
         "random_knn_top1": random["knn_top1"],
         "random_linear_top1": random["linear_top1"],
         "load_avg_5min": load,
-        "config_hash": config_hash(recipe, epochs),
+        "config_hash": config_hash(recipe, epochs, seed),
         "git_sha": _git_sha(),
     }
 
@@ -246,63 +252,125 @@ def kept_section(out: Path) -> str:
     return text[text.index(SECTION_MARK) :] if SECTION_MARK in text else ""
 
 
-def write_table(rows: dict[str, dict], recipes: list[str], out: Path, args) -> None:
+def _values(runs: list[dict], key: str) -> list[float]:
+    return [r[key] for r in runs]
+
+
+def verdict(gains: list[float]) -> str:
+    """Whether the mean kNN gain clears the margin, and whether that is within the seeds' spread
+    (the margin lies within one standard deviation of the mean gain: another seed could flip it)."""
+    mean, std = mean_std(gains)
+    word = "✓" if mean >= MARGIN else "below the margin"
+    return word + (" (within spread)" if std is not None and abs(mean - MARGIN) < std else "")
+
+
+def table_line(recipe: str, runs: list[dict]) -> str:
+    gains = [r["knn_top1"] - r["random_knn_top1"] for r in runs]
+    first = runs[0]
+    cells = [
+        recipe,
+        first["method"],
+        ", ".join(str(r["seed"]) for r in runs),
+        cell(_values(runs, "knn_top1")),
+        cell(_values(runs, "random_knn_top1")),
+        cell(gains, signed=True),
+        verdict(gains),
+        cell(_values(runs, "linear_top1")),
+        cell(_values(runs, "random_linear_top1")),
+        f"{statistics.fmean(_values(runs, 'seconds')) / 60:.1f}",
+        f"{statistics.fmean(_values(runs, 'images_per_s')):.0f}",
+        f"{max(_values(runs, 'peak_mib')):.0f}",
+        f"{max(r.get('load_avg_5min', float('nan')) for r in runs):.1f}",
+        f"`{first['config_hash']}`",
+        f"`{first['git_sha']}`",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def write_table(runs: dict[str, list[dict]], recipes: list[str], out: Path, args) -> None:
+    seeds = ", ".join(map(str, range(args.seeds)))
     lines = [
         "# Every method learns: tiny recipes on the synthetic data",
         "",
-        f"`python -m benchmarks.learning --epochs {args.epochs}`: each tiny recipe pretrained for "
-        f"{args.epochs} epochs on the `small` synthetic ImageNet-like set (1500 training images, 10 shape "
-        f"classes, 64 px), then kNN (k {KNN_K}) and the `{PROBE_PRESET}` linear probe (BN without affine + fc "
-        "on res5avg, 10 epochs, SGD lr 0.03 × 0.1 at epochs 2, 5, 8) at "
-        "the pretraining size, against the same architecture at random initialization. Machine: "
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, one thread per process; wall times of a "
-        "shared 2-core VM vary by ±20 %. One seed per row: differences of a few points are within "
-        "seed-to-seed spread. A row beats its init when kNN gains ≥ 5 points. `load`: the machine's 5-minute "
-        "load average when the pretraining ended (other jobs share the cores; min and img/s are slower under load).",
+        f"`python -m benchmarks.learning --epochs {args.epochs} --seeds {args.seeds}`: each tiny recipe pretrained for "
+        f"{args.epochs} epochs with seeds {seeds} on the `small` synthetic ImageNet-like set (1500 training images, "
+        f"10 shape classes, 64 px), then kNN (k {KNN_K}) and the `{PROBE_PRESET}` linear probe (BN without affine "
+        "+ fc on res5avg, 10 epochs, SGD lr 0.03 × 0.1 at epochs 2, 5, 8) at the pretraining size, against the "
+        "same architecture at torchvision's random initialization with the same seeds. Figures are mean ± sample "
+        "std over the seeds; the gain is the mean of the per-seed gains. A row clears the margin when its mean kNN "
+        f"gain is ≥ {MARGIN:.0f} points; `within spread` marks rows whose mean gain is less than one standard "
+        f"deviation from the margin. Machine: {cpu_name()}, {os.cpu_count()} CPU cores, one thread per process; "
+        "`min`, `img/s`: mean per run, slower under load (`load`: the highest 5-minute load average when a "
+        "pretraining ended).",
         "",
-        "| recipe | method | kNN top-1 | random kNN | gain | probe top-1 | random probe | min | img/s | "
-        "peak MiB | load | config | git |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | method | seeds | kNN top-1 | random kNN | gain | margin | probe top-1 | random probe | min | "
+        "img/s | peak MiB | load | config (seed 0) | git |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for recipe in recipes:
-        r = rows.get(recipe)
-        if r is None:
-            lines.append(f"| {recipe} | not measured yet | | | | | | | | | | | |")
-            continue
-        gain = r["knn_top1"] - r["random_knn_top1"]
-        lines.append(
-            f"| {recipe} | {r['method']} | {r['knn_top1']:.1f} | {r['random_knn_top1']:.1f} | "
-            f"{gain:+.1f}{'' if gain >= 5 else ' (below the 5-point margin)'} | {r['linear_top1']:.1f} | "
-            f"{r['random_linear_top1']:.1f} | {r['seconds'] / 60:.1f} | {r['images_per_s']:.0f} | "
-            f"{r['peak_mib']:.0f} | {r.get('load_avg_5min', float('nan')):.1f} | `{r['config_hash']}` | "
-            f"`{r['git_sha']}` |"
-        )
+        measured = runs.get(recipe, [])
+        if measured:
+            lines.append(table_line(recipe, measured))
+        missing = [s for s in range(args.seeds) if s not in {r["seed"] for r in measured}]
+        if missing:
+            lines.append(f"| {recipe} | seeds {', '.join(map(str, missing))} not measured yet |" + " |" * 13)
     png = out.with_suffix(".png")
     lines += ["", f"![kNN top-1 per recipe]({png.name})", ""]
     out.write_text("\n".join(lines) + kept_section(out))
-    _chart(rows, png)
+    _chart(runs, png)
 
 
-def _chart(rows: dict[str, dict], path: Path) -> None:
+def _chart(runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted(rows)
+    names = sorted(n for n in runs if runs[n])
     if not names:
         return
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names)), 4))
     x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [rows[n]["knn_top1"] for n in names], 0.4, label="pretrained")
-    ax.bar([i + 0.2 for i in x], [rows[n]["random_knn_top1"] for n in names], 0.4, label="random init")
+    for shift, key, label in ((-0.2, "knn_top1", "pretrained"), (0.2, "random_knn_top1", "random init")):
+        stats = [mean_std(_values(runs[n], key)) for n in names]
+        ax.bar([i + shift for i in x], [m for m, _ in stats], 0.4, yerr=[s or 0 for _, s in stats], label=label)
     ax.set_xticks(list(x), [n.replace("tiny_", "") for n in names], rotation=30, ha="right")
-    ax.set_ylabel("kNN top-1 (%)")
+    ax.set_ylabel("kNN top-1 (%), mean ± std over seeds")
     ax.set_title("kNN top-1 after the same pretraining budget")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def load_runs(rows_dir: Path) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {}
+    for path in sorted(rows_dir.glob("*/seed*.json")):
+        runs.setdefault(path.parent.name, []).append(json.loads(path.read_text()))
+    return {recipe: sorted(rs, key=lambda r: r["seed"]) for recipe, rs in runs.items()}
+
+
+def measure_kept(recipe: str, seed: int, args, data: Path, work: Path) -> None:
+    """Measure (recipe, seed) unless its run is kept: measured with the same config, and no --fresh."""
+    row_file = work / "rows" / recipe / f"seed{seed}.json"
+    stale = False
+    if row_file.is_file() and not args.fresh:
+        measured = json.loads(row_file.read_text()).get("config_hash")
+        current = config_hash(recipe, args.epochs, seed)
+        if measured == current:
+            print(f"{recipe} seed {seed}: measured before ({row_file})")
+            return
+        stale = True  # the recipe changed since: its run directory would resume the old one
+        print(f"{recipe} seed {seed}: config {current} differs from the measured {measured}: measuring again")
+    print(f"{recipe} seed {seed}: pretraining {args.epochs} epochs ...", flush=True)
+    row = measure(recipe, args.epochs, seed, data, work, args.fresh or stale)
+    row_file.parent.mkdir(parents=True, exist_ok=True)
+    row_file.write_text(json.dumps(row, indent=1))
+    print(
+        f"{recipe} seed {seed}: kNN {row['knn_top1']:.1f} (random {row['random_knn_top1']:.1f}), probe "
+        f"{row['linear_top1']:.1f} (random {row['random_linear_top1']:.1f}), {row['seconds'] / 60:.1f} min",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -313,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--recipes", default=None, help="comma-separated tiny recipes (default: all)")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--seeds", type=int, default=SEEDS, help=f"pretraining seeds per row (default {SEEDS})")
     parser.add_argument("--data", default="datasets/synthetic", help="synthetic data root (generated if missing)")
     parser.add_argument("--work", default="outputs/bench_learning", help="runs and measured rows")
     parser.add_argument("--out", default="benchmarks/learning.md")
@@ -325,31 +394,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(chosen) - set(every))
     if unknown:
         raise SystemExit(f"error: --recipes {','.join(unknown)}: expected tiny recipes from {', '.join(every)}")
-    rows_dir = work / "rows"
-    rows_dir.mkdir(parents=True, exist_ok=True)
-    for recipe in chosen:
-        row_file = rows_dir / f"{recipe}.json"
-        stale = False
-        if row_file.is_file() and not args.fresh:
-            measured = json.loads(row_file.read_text()).get("config_hash")
-            current = config_hash(recipe, args.epochs)
-            if measured == current:
-                print(f"{recipe}: measured before ({row_file})")
-                continue
-            stale = True  # the recipe changed since: its run directory would resume the old one
-            print(f"{recipe}: config {current} differs from the measured row's {measured}: measuring again")
-        print(f"{recipe}: pretraining {args.epochs} epochs ...", flush=True)
-        row = measure(recipe, args.epochs, data, work, args.fresh or stale)
-        row_file.write_text(json.dumps(row, indent=1))
-        print(
-            f"{recipe}: kNN {row['knn_top1']:.1f} (random {row['random_knn_top1']:.1f}), probe "
-            f"{row['linear_top1']:.1f} (random {row['random_linear_top1']:.1f}), {row['seconds'] / 60:.1f} min",
-            flush=True,
-        )
-        rows = {p.stem: json.loads(p.read_text()) for p in rows_dir.glob("*.json")}
-        write_table(rows, every, out, args)
-    rows = {p.stem: json.loads(p.read_text()) for p in rows_dir.glob("*.json")}
-    write_table(rows, every, out, args)
+    # Seed-major: every recipe gets its first seed before any gets its second, so a table stopped
+    # midway has a row for each recipe.
+    for seed in range(args.seeds):
+        for recipe in chosen:
+            measure_kept(recipe, seed, args, data, work)
+            write_table(load_runs(work / "rows"), every, out, args)
+    write_table(load_runs(work / "rows"), every, out, args)
     print(f"wrote {out}")
 
 

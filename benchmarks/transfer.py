@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks import cpu_name
+from benchmarks import cell, cpu_name, mean_std
 from benchmarks.learning import (
     EPOCHS,
     RECIPES,
@@ -173,18 +173,9 @@ def row_hash(row: str) -> str:
     return "random-resnet18-64px" if row == "random" else config_hash(row, EPOCHS)
 
 
-def _stats(values: list[float]) -> tuple[float, float | None]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
-
-
-def cell(values: list[float]) -> str:
-    mean, std = _stats(values)
-    return f"{mean:.1f}" + (f" ± {std:.1f}" if std is not None else "")
-
-
 def gain(values: list[float], base: list[float]) -> str:
     """Gain over random init; ✓ where it exceeds twice its standard error (0 for deterministic figures)."""
-    (m, s), (b, t) = _stats(values), _stats(base)
+    (m, s), (b, t) = mean_std(values), mean_std(base)
     se = ((s or 0.0) ** 2 / len(values) + (t or 0.0) ** 2 / len(base)) ** 0.5
     clear = m - b > 2 * se if se > 0 else m > b
     return f"{m - b:+.1f}" + (" ✓" if clear else "")
@@ -246,7 +237,7 @@ def _chart(rows: dict[str, dict], path: Path) -> None:
     ax = axes[0][0]
     width = 0.8 / max(len(names), 1)
     for i, row in enumerate(names):
-        means, stds = zip(*(_stats(rows[row]["values"][m]) for m in METRICS))
+        means, stds = zip(*(mean_std(rows[row]["values"][m]) for m in METRICS))
         xs = [j + i * width for j in range(len(METRICS))]
         ax.bar(xs, means, width, yerr=[s or 0.0 for s in stds], capsize=2, label=row.replace("tiny_", ""))
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(METRICS))], [LABELS[m] for m in METRICS])

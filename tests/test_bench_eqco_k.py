@@ -43,9 +43,10 @@ def test_grid_rows_resume_and_both_tables_share_the_file(tmp_path, monkeypatch):
     assert "| 16 | 41.5 ± 0.7 (n 2: 41.0, 42.0) | 55.5 ± 0.7 (n 2: 55.0, 56.0) | +14.0 |" in text
     assert "| 256 | 56.5 ± 0.7 (n 2: 56.0, 57.0) | 56.5 ± 0.7 (n 2: 56.0, 57.0) | - |" in text
     # The learning table, rewritten, keeps the EqCo section.
-    monkeypatch.setattr(learning, "measure", lambda recipe, *a, **kw: _row(recipe, 66.0))
-    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs: "abc")
-    learning.main(["--recipes", "tiny_simclr", "--data", str(data), "--work", str(tmp_path / "l"), "--out", str(out)])
+    monkeypatch.setattr(learning, "measure", lambda recipe, epochs, seed, *a, **kw: _row(recipe, 66.0, seed))
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0: "abc")
+    argv = ["--recipes", "tiny_simclr", "--data", str(data), "--work", str(tmp_path / "l"), "--out", str(out)]
+    learning.main([*argv, "--seeds", "1"])
     text = out.read_text()
     assert text.startswith("# Every method learns") and "| 16 | 41.5 ± 0.7" in text
     assert text.count(learning.SECTION_MARK) == 1
