@@ -41,15 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from transfer.voc07_svm import (
-    DEFAULT_COSTS,
-    l2_normalize,
-    make_svm,
-    run_svms,
-    scoring_targets,
-    training_targets,
-    voc_ap,
-)
+from transfer.voc07_protocol import DEFAULT_COSTS, l2_normalize, scoring_targets, training_targets, voc_ap
+from transfer.voc07_solvers import make_svm, run_svms
 
 RUNS = ("fair", "plain", "liblinear", "newton")
 
