@@ -3,7 +3,6 @@ ImageNet-like set, then kNN and linear-probe top-1 of the exported backbone agai
 architecture at random initialization, with wall time, images/s and peak memory.
 
     python -m benchmarks.learning [--recipes tiny_simclr,tiny_mocov2] [--epochs 6] [--fresh]
-    python -m pretrain.bench learning ...                       (the same command)
 
 Rows are kept per recipe under --work (a measured row is not redone unless --fresh, or unless the
 recipe's resolved config no longer hashes to the row's: an edited recipe is measured again, from a

@@ -1,5 +1,4 @@
 """python -m benchmarks.pretraining [--recipes tiny_mocov2,...] [--steps N] [--out benchmarks/pretrain.md]
-   (alias: python -m pretrain.bench ...)
 
 Figures, not pass/fail. Per recipe (each in a fresh process, so peak memory and Accelerate's
 process-wide state are its own):
@@ -264,7 +263,7 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
     lines = [
         "# Pretraining benchmark",
         "",
-        f"`python -m pretrain.bench {' '.join(sys.argv[1:])}` on {platform.processor() or platform.machine()}, "
+        f"`python -m benchmarks.pretraining {' '.join(sys.argv[1:])}` on {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPU cores, torch {torch.__version__}, "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}; "
         f"median of {args.steps} steps after {args.warmup} warm-up steps"
@@ -320,16 +319,11 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["learning"]:  # `python -m pretrain.bench learning ...`: the learning table
-        from benchmarks.learning import main as learning
-
-        return learning(argv[1:])
     parser = argparse.ArgumentParser(
-        prog="python -m pretrain.bench",
+        prog="python -m benchmarks.pretraining",
         description=__doc__.splitlines()[0],
-        epilog="`python -m pretrain.bench learning --help`: the table of what each "
-        "tiny recipe learns (benchmarks/learning.md)",
+        epilog="`python -m benchmarks.learning --help`: the table of what each tiny recipe learns "
+        "(benchmarks/learning.md)",
     )
     parser.add_argument("--recipes", default=None, help="comma-separated recipe names (default: every tiny_*)")
     parser.add_argument("--data-root", default="datasets/synthetic/imagenet/train")
@@ -365,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(args.data_root).is_dir():
         sys.exit(
             f"error: --data-root {args.data_root} does not exist (generate it: "
-            "python -m transfer.datasets.synthetic --out datasets/synthetic --preset small)"
+            "python -m contrastive_transfer.synthetic --out datasets/synthetic --preset small)"
         )
     recipes = args.recipes.split(",") if args.recipes else sorted(p.stem for p in RECIPES_DIR.glob("tiny_*.yaml"))
     rows = []
