@@ -318,7 +318,7 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.pretraining",
         description=__doc__.splitlines()[0],
@@ -347,7 +347,60 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-augmentation", action="store_true", help="skip the augmentation throughput part")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: one recipe, JSON out
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _bench_in_child(recipe: str, args: argparse.Namespace) -> dict:
+    """bench_recipe of one recipe in a fresh process (its own peak memory and Accelerate state)."""
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.pretraining",
+            "--one",
+            recipe,
+            "--data-root",
+            args.data_root,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--device",
+            args.device,
+            *(f"--set={kv}" for kv in args.set),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if res.returncode != 0 or "RESULT=" not in res.stdout:
+        sys.exit(f"error: benchmark of {recipe} failed:\n{res.stderr[-2000:]}")
+    r = json.loads(res.stdout.rsplit("RESULT=", 1)[1])
+    print(
+        f"{recipe}: engine {1e3 * r['engine_s']:.1f} ms/step ({r['images_per_s']:.1f} img/s), bare "
+        f"{1e3 * r['bare_s']:.1f} ms, engine/bare {r['engine_over_bare']:.3f}, peak {r['peak_mib']:.0f} MiB",
+        flush=True,
+    )
+    return r
+
+
+def _bench_augmentations(args: argparse.Namespace) -> list[dict]:
+    aug = []
+    for size in [] if args.no_augmentation else (int(s) for s in args.aug_sizes.split(",")):
+        for recipe in ("mocov1", "mocov2", "simclr", "byol"):
+            aug.append(bench_augmentation(recipe, args.data_root, size, args.aug_images))
+            a = aug[-1]
+            print(
+                f"augmentation {recipe} @{size}px: ours {a['ours_per_s']:.1f} img/s, plain PIL "
+                f"{a['plain_per_s']:.1f} img/s, {a['speedup']:.2f}×; worker {a['worker_ms']:.2f} ms/img, "
+                f"{a['deferred_worker_ms']:.2f} with colour on device; {a['bytes']:.0f} vs "
+                f"{a['deferred_bytes']:.0f} bytes/img",
+                flush=True,
+            )
+    return aug
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA device is visible")
     overrides = [f"data.root={args.data_root}", "data.num_workers=0", *args.set]
@@ -362,49 +415,8 @@ def main(argv: list[str] | None = None) -> None:
             "python -m contrastive_transfer.synthetic --out datasets/synthetic --preset small)"
         )
     recipes = args.recipes.split(",") if args.recipes else sorted(p.stem for p in RECIPES_DIR.glob("tiny_*.yaml"))
-    rows = []
-    for recipe in recipes:
-        res = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.pretraining",
-                "--one",
-                recipe,
-                "--data-root",
-                args.data_root,
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--device",
-                args.device,
-                *(f"--set={kv}" for kv in args.set),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if res.returncode != 0 or "RESULT=" not in res.stdout:
-            sys.exit(f"error: benchmark of {recipe} failed:\n{res.stderr[-2000:]}")
-        rows.append(json.loads(res.stdout.rsplit("RESULT=", 1)[1]))
-        r = rows[-1]
-        print(
-            f"{recipe}: engine {1e3 * r['engine_s']:.1f} ms/step ({r['images_per_s']:.1f} img/s), bare "
-            f"{1e3 * r['bare_s']:.1f} ms, engine/bare {r['engine_over_bare']:.3f}, peak {r['peak_mib']:.0f} MiB",
-            flush=True,
-        )
-    aug = []
-    for size in [] if args.no_augmentation else (int(s) for s in args.aug_sizes.split(",")):
-        for recipe in ("mocov1", "mocov2", "simclr", "byol"):
-            aug.append(bench_augmentation(recipe, args.data_root, size, args.aug_images))
-            a = aug[-1]
-            print(
-                f"augmentation {recipe} @{size}px: ours {a['ours_per_s']:.1f} img/s, plain PIL "
-                f"{a['plain_per_s']:.1f} img/s, {a['speedup']:.2f}×; worker {a['worker_ms']:.2f} ms/img, "
-                f"{a['deferred_worker_ms']:.2f} with colour on device; {a['bytes']:.0f} vs "
-                f"{a['deferred_bytes']:.0f} bytes/img",
-                flush=True,
-            )
+    rows = [_bench_in_child(recipe, args) for recipe in recipes]
+    aug = _bench_augmentations(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(_report(rows, aug, args))
     print(f"wrote {args.out}")
