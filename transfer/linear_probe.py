@@ -8,12 +8,12 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
@@ -30,6 +30,9 @@ from transfer.features import (
 )
 from transfer.knn import topk_accuracy
 from transfer.probe_presets import PROBE_STATE, ProbeSettings
+
+if TYPE_CHECKING:
+    from transfer.datasets.readers import ImageList
 
 logger = logging.getLogger(__name__)
 # The probe stops when a batch's loss exceeds this multiple of the first batch's: the lr is too large.
@@ -147,8 +150,8 @@ class Probe:
     features: LayerFeatures
     head: nn.Sequential
     optimizer: torch.optim.SGD
-    train: Dataset
-    val: Dataset
+    train: ImageList
+    val: ImageList
     val_prep: Preprocessing
     described: dict  # the feature's dim and map shape
     crop: int
