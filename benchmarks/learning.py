@@ -30,7 +30,7 @@ from benchmarks import cell, cpu_name, mean_std
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "configs" / "pretrain"
-# The probe: the bn preset (BatchNorm without affine + fc on res5avg, 10 epochs; transfer/linear.py).
+# The probe: the bn preset (BatchNorm without affine + fc on res5avg, 10 epochs; transfer/probe_presets.py).
 # The BN makes one lr fit every backbone: without it (the moco preset) lr 30 diverges on these
 # backbones and so did lr 0.3 on tiny_simclr's, whose features are larger than a random init's.
 KNN_K, PROBE_PRESET = 20, "bn"

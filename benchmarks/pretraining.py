@@ -1,5 +1,4 @@
 """python -m benchmarks.pretraining [--recipes tiny_mocov2,...] [--steps N] [--out benchmarks/pretrain.md]
-   (alias: python -m pretrain.bench ...)
 
 Figures, not pass/fail. Per recipe (each in a fresh process, so peak memory and Accelerate's
 process-wide state are its own):
@@ -264,7 +263,7 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
     lines = [
         "# Pretraining benchmark",
         "",
-        f"`python -m pretrain.bench {' '.join(sys.argv[1:])}` on {platform.processor() or platform.machine()}, "
+        f"`python -m benchmarks.pretraining {' '.join(sys.argv[1:])}` on {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPU cores, torch {torch.__version__}, "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}; "
         f"median of {args.steps} steps after {args.warmup} warm-up steps"
@@ -319,17 +318,12 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["learning"]:  # `python -m pretrain.bench learning ...`: the learning table
-        from benchmarks.learning import main as learning
-
-        return learning(argv[1:])
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pretrain.bench",
+        prog="python -m benchmarks.pretraining",
         description=__doc__.splitlines()[0],
-        epilog="`python -m pretrain.bench learning --help`: the table of what each "
-        "tiny recipe learns (benchmarks/learning.md)",
+        epilog="`python -m benchmarks.learning --help`: the table of what each tiny recipe learns "
+        "(benchmarks/learning.md)",
     )
     parser.add_argument("--recipes", default=None, help="comma-separated recipe names (default: every tiny_*)")
     parser.add_argument("--data-root", default="datasets/synthetic/imagenet/train")
@@ -353,52 +347,43 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-augmentation", action="store_true", help="skip the augmentation throughput part")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: one recipe, JSON out
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda: no CUDA device is visible")
-    overrides = [f"data.root={args.data_root}", "data.num_workers=0", *args.set]
-    if args.device == "cpu":
-        overrides.append("train.cpu=true")
-    if args.one:
-        print("RESULT=" + json.dumps(bench_recipe(args.one, overrides, args.warmup, args.steps)))
-        return
-    if not Path(args.data_root).is_dir():
-        sys.exit(
-            f"error: --data-root {args.data_root} does not exist (generate it: "
-            "python -m transfer.datasets.synthetic --out datasets/synthetic --preset small)"
-        )
-    recipes = args.recipes.split(",") if args.recipes else sorted(p.stem for p in RECIPES_DIR.glob("tiny_*.yaml"))
-    rows = []
-    for recipe in recipes:
-        res = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.pretraining",
-                "--one",
-                recipe,
-                "--data-root",
-                args.data_root,
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--device",
-                args.device,
-                *(f"--set={kv}" for kv in args.set),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if res.returncode != 0 or "RESULT=" not in res.stdout:
-            sys.exit(f"error: benchmark of {recipe} failed:\n{res.stderr[-2000:]}")
-        rows.append(json.loads(res.stdout.rsplit("RESULT=", 1)[1]))
-        r = rows[-1]
-        print(
-            f"{recipe}: engine {1e3 * r['engine_s']:.1f} ms/step ({r['images_per_s']:.1f} img/s), bare "
-            f"{1e3 * r['bare_s']:.1f} ms, engine/bare {r['engine_over_bare']:.3f}, peak {r['peak_mib']:.0f} MiB",
-            flush=True,
-        )
+    return parser
+
+
+def _bench_in_child(recipe: str, args: argparse.Namespace) -> dict:
+    """bench_recipe of one recipe in a fresh process (its own peak memory and Accelerate state)."""
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.pretraining",
+            "--one",
+            recipe,
+            "--data-root",
+            args.data_root,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--device",
+            args.device,
+            *(f"--set={kv}" for kv in args.set),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if res.returncode != 0 or "RESULT=" not in res.stdout:
+        sys.exit(f"error: benchmark of {recipe} failed:\n{res.stderr[-2000:]}")
+    r = json.loads(res.stdout.rsplit("RESULT=", 1)[1])
+    print(
+        f"{recipe}: engine {1e3 * r['engine_s']:.1f} ms/step ({r['images_per_s']:.1f} img/s), bare "
+        f"{1e3 * r['bare_s']:.1f} ms, engine/bare {r['engine_over_bare']:.3f}, peak {r['peak_mib']:.0f} MiB",
+        flush=True,
+    )
+    return r
+
+
+def _bench_augmentations(args: argparse.Namespace) -> list[dict]:
     aug = []
     for size in [] if args.no_augmentation else (int(s) for s in args.aug_sizes.split(",")):
         for recipe in ("mocov1", "mocov2", "simclr", "byol"):
@@ -411,6 +396,27 @@ def main(argv: list[str] | None = None) -> None:
                 f"{a['deferred_bytes']:.0f} bytes/img",
                 flush=True,
             )
+    return aug
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: no CUDA device is visible")
+    overrides = [f"data.root={args.data_root}", "data.num_workers=0", *args.set]
+    if args.device == "cpu":
+        overrides.append("train.cpu=true")
+    if args.one:
+        print("RESULT=" + json.dumps(bench_recipe(args.one, overrides, args.warmup, args.steps)))
+        return
+    if not Path(args.data_root).is_dir():
+        sys.exit(
+            f"error: --data-root {args.data_root} does not exist (generate it: "
+            "python -m contrastive_transfer.synthetic --out datasets/synthetic --preset small)"
+        )
+    recipes = args.recipes.split(",") if args.recipes else sorted(p.stem for p in RECIPES_DIR.glob("tiny_*.yaml"))
+    rows = [_bench_in_child(recipe, args) for recipe in recipes]
+    aug = _bench_augmentations(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(_report(rows, aug, args))
     print(f"wrote {args.out}")

@@ -3,7 +3,6 @@
     python -m benchmarks.svm [--classes N] [--ref-classes N] [--jobs 1,2] [--costs ...] [--features FILE.npz]
                              [--runs fair,plain,liblinear,newton] [--markdown]
     python -m benchmarks.svm --export-cache OUT/features --voc-root VOC [--layer res5avg] --features FILE.npz
-    python -m transfer.bench_svm ...                                  (the same command)
 
 Runs, each on 1 core and on 2 (``--jobs``: processes for the loops and liblinear, torch threads
 for newton), on the same L2-normalised features:
@@ -41,15 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from transfer.voc07_svm import (
-    DEFAULT_COSTS,
-    l2_normalize,
-    make_svm,
-    run_svms,
-    scoring_targets,
-    training_targets,
-    voc_ap,
-)
+from transfer.voc07_protocol import DEFAULT_COSTS, l2_normalize, scoring_targets, training_targets, voc_ap
+from transfer.voc07_solvers import make_svm, run_svms
 
 RUNS = ("fair", "plain", "liblinear", "newton")
 

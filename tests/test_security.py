@@ -172,12 +172,13 @@ def _probe_argv(weights: Path, root: Path, out: Path) -> list[str]:
 
 def test_linear_resume_refuses_a_planted_probe_state(synthetic_root, tmp_path, marker, resnet18_state):
     from transfer import linear
+    from transfer.probe_presets import PROBE_STATE
 
     weights = tmp_path / "w.pth"  # a small-stem ResNet-18 (3x3 conv1): the 32 px crops keep a 4x4 res5
     torch.save({**resnet18_state, "conv1.weight": torch.randn(64, 3, 3, 3) * 0.1}, weights)
     out = tmp_path / "probe"
     out.mkdir()
-    state = out / linear.CHECKPOINT
+    state = out / PROBE_STATE
     torch.save({"identity": {}, "head": {}, "optimizer": {}, "history": [], "epoch": Payload(marker)}, state)
     exit_line(lambda: linear.main(_probe_argv(weights, synthetic_root, out)), state)
     assert not marker.exists() and not (out / "metrics.json").exists()

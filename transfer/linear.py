@@ -6,24 +6,7 @@
 The backbone stays in eval mode with frozen weights (BN statistics never move); only the head
 learns. After the run every backbone tensor is compared bit for bit with the checkpoint's.
 
-Presets (``PRESETS``):
-
-    bn         BatchNorm without affine + fc on res5avg, SGD nesterov lr 0.03, momentum 0.9,
-               wd 1e-4, batch 64, 10 epochs, lr × 0.1 at epochs 2, 5 and 8. The BN makes the
-               head blind to the feature scale, so one lr fits every backbone (random init,
-               pretrained, any method): the preset for comparing backbones (the demo, the
-               benchmarks). MAE's linear protocol puts the same BN before its classifier.
-    moco       fc on res5avg, fc ~ N(0, 0.01), SGD lr 30, momentum 0.9, wd 0, batch 256,
-               100 epochs, lr × 0.1 at epochs 60 and 80               (MoCo main_lincls.py)
-               For exact reproduction: lr 30 on raw features assumes their scale is that of a
-               MoCo-pretrained ResNet-50 (small activations after its last BN); on other
-               backbones it can diverge, which the probe stops with one line.
-    adco       as moco but lr 10 with per-epoch cosine decay to 0.01:
-               lr_e = 0.01 + ½(1 + cos(π e / E))(10 − 0.01)           (AdCo lincls.py --cos)
-               Assumes the same feature scale as moco.
-    places205  BatchNorm without affine + fc on the pooled res5 map (2×2 grid, 4·C-d), SGD
-               nesterov lr 0.01, momentum 0.9, wd 1e-4, batch 256, 28 epochs,
-               lr × 0.1 at 7, 14, 21                                 (mmselfsup / OpenSelfSup)
+Presets: ``transfer.probe_presets``. The probe itself (torch): ``transfer.linear_probe``.
 
 Train images: RandomResizedCrop(crop) + horizontal flip; val: shorter side `resize`, center crop.
 ``--epochs`` rescales the step milestones in proportion (60/80 of 100 → 3/4 of 5).
@@ -32,56 +15,18 @@ Reported: top-1/top-5 of the last epoch and the best top-1 over epochs (MoCo rep
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from contrastive_transfer.cli import OutputLock, command
 from transfer import eval_cli
 from transfer.layers import LAYERS
+from transfer.probe_presets import PRESETS, PROBE_STATE, ProbeSettings
 
 logger = logging.getLogger(__name__)
-CHECKPOINT = "checkpoint_last.pth"
-
-
-@dataclass(frozen=True)
-class Preset:
-    layer: str
-    head_bn: bool  # BatchNorm (no affine) on the features before the fc
-    lr: float
-    schedule: str  # "step" | "cosine"
-    epochs: int
-    milestones: tuple[int, ...] = ()
-    final_lr: float = 0.0
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    batch_size: int = 256
-
-    def lr_at(self, epoch: int) -> float:
-        """Learning rate of epoch `epoch` (0-based), set once per epoch as in the reference scripts."""
-        if self.schedule == "cosine":
-            return self.final_lr + 0.5 * (1 + math.cos(math.pi * epoch / self.epochs)) * (self.lr - self.final_lr)
-        return self.lr * 0.1 ** sum(epoch >= m for m in self.milestones)
-
-    def with_epochs(self, epochs: int) -> "Preset":
-        scale = epochs / self.epochs
-        return replace(self, epochs=epochs, milestones=tuple(max(1, round(m * scale)) for m in self.milestones))
-
-
-PRESETS = {
-    # Measured on the synthetic ImageNet with ResNet-18 backbones from random init to 6-epoch
-    # pretraining by every method (benchmarks/learning.md): lr 0.1 raised the training loss in its
-    # first epochs, 0.03 did not; the BN keeps that true for features scaled ×100 (tests).
-    "bn": Preset(
-        "res5avg", True, 0.03, "step", 10, milestones=(2, 5, 8), nesterov=True, weight_decay=1e-4, batch_size=64
-    ),
-    "moco": Preset("res5avg", False, 30.0, "step", 100, milestones=(60, 80)),
-    "adco": Preset("res5avg", False, 10.0, "cosine", 100, final_lr=0.01),
-    "places205": Preset("res5", True, 0.01, "step", 28, milestones=(7, 14, 21), nesterov=True, weight_decay=1e-4),
-}
 
 
 def parser():
@@ -94,8 +39,8 @@ def parser():
         help="imagenet: train/ and val/ ImageFolders; places205: trainvalsplit_places205/ and data/vision/...",
     )
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    p.add_argument("--output-dir", "--out", required=True, help="metrics.json and checkpoint_last.pth go here")
-    p.add_argument("--resume", action="store_true", help=f"continue from OUT/{CHECKPOINT}")
+    p.add_argument("--output-dir", "--out", required=True, help=f"metrics.json and {PROBE_STATE} go here")
+    p.add_argument("--resume", action="store_true", help=f"continue from OUT/{PROBE_STATE}")
     p.add_argument("--epochs", type=int, default=None, help="override the preset's (milestones rescale)")
     p.add_argument("--lr", type=float, default=None, help="override the preset's base lr")
     p.add_argument("--layer", default=None, choices=sorted(LAYERS), help="override the preset's feature")
@@ -105,29 +50,46 @@ def parser():
     return p
 
 
+def settings(args: argparse.Namespace) -> ProbeSettings:
+    """The run's settings from the parsed command line: the preset with its overrides applied."""
+    preset = PRESETS[args.preset]
+    if args.epochs:
+        preset = preset.with_epochs(args.epochs)
+    preset = replace(
+        preset,
+        lr=args.lr or preset.lr,
+        batch_size=args.batch_size or preset.batch_size,
+        layer=args.layer or preset.layer,
+    )
+    return ProbeSettings(
+        weights=args.weights,
+        dataset=args.dataset,
+        data_root=args.data_root,
+        preset_name=args.preset,
+        preset=preset,
+        output_dir=Path(args.output_dir),
+        encoder=args.encoder,
+        layout=args.layout,
+        resume=args.resume,
+        resize=args.resize,
+        crop=args.crop,
+        workers=args.workers,
+        seed=args.seed,
+    )
+
+
 @command
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    probe = settings(parser().parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    out = Path(args.output_dir)
     # One probe per output directory: a second one would interleave its epochs into the same files.
-    with OutputLock(out, "--output-dir"):
+    with OutputLock(probe.output_dir, "--output-dir"):
         from contrastive_transfer.cli import atomic_write
         from transfer.linear_probe import run
 
-        metrics = run(args)
-        atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
+        metrics = run(probe)
+        atomic_write(probe.output_dir / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
     print(json.dumps({k: round(metrics[k], 2) for k in ("top1", "top5", "best_top1")}))
-
-
-def __getattr__(name: str):
-    # The probe itself (torch) lives in transfer.linear_probe; its names stay reachable from here.
-    from transfer import linear_probe
-
-    try:
-        return getattr(linear_probe, name)
-    except AttributeError:
-        raise AttributeError(f"module 'transfer.linear' has no attribute {name!r}") from None
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
-"""The linear probe itself (torch): head, data, training loop with exact resume. The command line and
-the presets are in ``transfer.linear``."""
+"""The linear probe itself (torch): head, data, training loop with exact resume. The command line is
+``transfer.linear``; the presets and the run's settings are ``transfer.probe_presets``."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,10 @@ from transfer.features import (
     load_model,
 )
 from transfer.knn import topk_accuracy
-from transfer.linear import CHECKPOINT, PRESETS
+from transfer.probe_presets import PROBE_STATE, ProbeSettings
+
+if TYPE_CHECKING:
+    from transfer.datasets.readers import ImageList
 
 logger = logging.getLogger(__name__)
 # The probe stops when a batch's loss exceeds this multiple of the first batch's: the lr is too large.
@@ -135,34 +139,46 @@ def _read_probe_state(path: Path) -> dict:
     return state
 
 
-def run(args) -> dict:
-    preset = PRESETS[args.preset]
-    if args.epochs:
-        preset = preset.with_epochs(args.epochs)
-    preset = replace(
-        preset,
-        lr=args.lr or preset.lr,
-        batch_size=args.batch_size or preset.batch_size,
-        layer=args.layer or preset.layer,
-    )
-    out = Path(args.output_dir)
-    ckpt_path = out / CHECKPOINT
-    if ckpt_path.exists() and not args.resume:
-        raise UserError(f"{ckpt_path} exists: pass --resume to continue it, or choose another --output-dir")
+@dataclass
+class Probe:
+    """One run's live objects, from ``setup``; the loop changes only ``head`` and ``optimizer``."""
+
+    settings: ProbeSettings
+    model: nn.Module
+    backbone: Any  # converters.checkpoint_io's record of the loaded weights
+    reference: dict[str, torch.Tensor]  # the backbone's tensors as loaded
+    features: LayerFeatures
+    head: nn.Sequential
+    optimizer: torch.optim.SGD
+    train: ImageList
+    val: ImageList
+    val_prep: Preprocessing
+    described: dict  # the feature's dim and map shape
+    crop: int
+    device: torch.device
+    identity: dict  # what a resumed state must have been written with
+
+    @property
+    def state_path(self) -> Path:
+        return self.settings.output_dir / PROBE_STATE
+
+
+def setup(s: ProbeSettings) -> Probe:
+    """Backbone, data, head and optimizer, in the order that fixes the random draws."""
+    preset = s.preset
     device = default_device()
-    model, backbone = load_model(args.weights, args.encoder, args.layout)
-    resize, crop = eval_cli.resolve_size(args.resize, args.crop, backbone.image_size)
+    model, backbone = load_model(s.weights, s.encoder, s.layout)
+    resize, crop = eval_cli.resolve_size(s.resize, s.crop, backbone.image_size)
     reference = {k: v.clone() for k, v in model.state_dict().items()}
-    train, val = read_dataset(args.dataset, args.data_root)
-    num_classes = len(train.classes)
+    train, val = read_dataset(s.dataset, s.data_root)
     val_prep = Preprocessing(resize, crop, "center")
     train.transform, val.transform = train_transform(crop), val_prep.transform()
 
     features = LayerFeatures(model, [preset.layer]).to(device).eval()
     described = features.describe(crop)[preset.layer]
-    dim, channels = described["dim"], described["map"][0]
-    torch.manual_seed(args.seed)  # the fc initialization
-    head = build_head(dim, channels, num_classes, preset.head_bn).to(**like(features))
+    torch.manual_seed(s.seed)  # the fc initialization
+    head = build_head(described["dim"], described["map"][0], len(train.classes), preset.head_bn)
+    head = head.to(**like(features))
     optimizer = torch.optim.SGD(
         head.parameters(),
         lr=preset.lr,
@@ -171,102 +187,144 @@ def run(args) -> dict:
         weight_decay=preset.weight_decay,
     )
     identity = {
-        "checkpoint_sha256": file_digest(args.weights),
-        "encoder": args.encoder,
-        "dataset": args.dataset,
-        "data_root": str(args.data_root),
-        "preset": args.preset,
+        "checkpoint_sha256": file_digest(s.weights),
+        "encoder": s.encoder,
+        "dataset": s.dataset,
+        "data_root": str(s.data_root),
+        "preset": s.preset_name,
         "settings": asdict(preset),
         "resize": resize,
         "crop": crop,
-        "seed": args.seed,
+        "seed": s.seed,
     }
-    history, start, first_loss = [], 0, None
-    if args.resume and ckpt_path.exists():
-        state = _read_probe_state(ckpt_path)
-        if state["identity"] != identity:
-            diff = sorted(k for k in identity if state["identity"].get(k) != identity[k])
-            raise UserError(
-                f"{ckpt_path} was written by another run (differs in: {', '.join(diff)}); "
-                "resume with the same options or choose another --output-dir"
-            )
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        history, start = state["history"], state["epoch"]
-        logger.info("resumed %s at epoch %d", ckpt_path, start)
+    return Probe(
+        s,
+        model,
+        backbone,
+        reference,
+        features,
+        head,
+        optimizer,
+        train,
+        val,
+        val_prep,
+        described,
+        crop,
+        device,
+        identity,
+    )
 
-    val_loader = DataLoader(val, batch_size=preset.batch_size, num_workers=args.workers)
-    for epoch in range(start, preset.epochs):
+
+def resume(probe: Probe) -> tuple[list[dict], int]:
+    """(history, next epoch) of the state on disk, loaded into the head and optimizer; refused when
+    it was written with other settings."""
+    path = probe.state_path
+    state = _read_probe_state(path)
+    if state["identity"] != probe.identity:
+        diff = sorted(k for k in probe.identity if state["identity"].get(k) != probe.identity[k])
+        raise UserError(
+            f"{path} was written by another run (differs in: {', '.join(diff)}); "
+            "resume with the same options or choose another --output-dir"
+        )
+    probe.head.load_state_dict(state["head"])
+    probe.optimizer.load_state_dict(state["optimizer"])
+    logger.info("resumed %s at epoch %d", path, state["epoch"])
+    return state["history"], state["epoch"]
+
+
+def train_epoch(probe: Probe, epoch: int, lr: float, first_loss: float | None) -> tuple[float, float | None]:
+    """One epoch of the head at ``lr``: (mean training loss, the run's first loss for the divergence stop)."""
+    preset, seed = probe.settings.preset, probe.settings.seed
+    for group in probe.optimizer.param_groups:
+        group["lr"] = lr
+    # Seeded per epoch: an interrupted run resumed at an epoch boundary repeats it exactly.
+    torch.manual_seed(seed + epoch)
+    order = torch.Generator().manual_seed(seed + epoch)
+    loader = DataLoader(
+        probe.train,
+        batch_size=preset.batch_size,
+        shuffle=True,
+        generator=order,
+        num_workers=probe.settings.workers,
+        drop_last=len(probe.train) > preset.batch_size,
+    )
+    probe.head.train()
+    total, count = 0.0, 0
+    for x, y in eval_cli.progress(loader, len(loader), f"linear probe, epoch {epoch + 1}/{preset.epochs}"):
+        with torch.no_grad():
+            f = probe.features(x.to(**like(probe.features)))[preset.layer]
+        loss = F.cross_entropy(probe.head(f), y.to(probe.device))
+        first_loss = check_divergence(loss.item(), first_loss, preset.lr)
+        probe.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        probe.optimizer.step()
+        total, count = total + loss.item() * len(y), count + len(y)
+    return total / max(count, 1), first_loss
+
+
+def save_state(probe: Probe, epoch: int, history: list[dict]) -> None:
+    """The state after ``epoch`` epochs, replacing the previous one atomically."""
+    probe.settings.output_dir.mkdir(parents=True, exist_ok=True)
+    state = {
+        "identity": probe.identity,
+        "head": probe.head.state_dict(),
+        "optimizer": probe.optimizer.state_dict(),
+        "epoch": epoch,
+        "history": history,
+    }
+    atomic_torch_save(state, probe.state_path)
+
+
+def run(s: ProbeSettings) -> dict:
+    """The probe from ``s``, resumed from its state when asked; returns the metrics record."""
+    path = s.output_dir / PROBE_STATE
+    if path.exists() and not s.resume:
+        raise UserError(f"{path} exists: pass --resume to continue it, or choose another --output-dir")
+    probe = setup(s)
+    history, start = resume(probe) if s.resume and path.exists() else ([], 0)
+    val_loader = DataLoader(probe.val, batch_size=s.preset.batch_size, num_workers=s.workers)
+    first_loss = None
+    for epoch in range(start, s.preset.epochs):
         t0 = time.time()
-        lr = preset.lr_at(epoch)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # Seeded per epoch: an interrupted run resumed at an epoch boundary repeats it exactly.
-        torch.manual_seed(args.seed + epoch)
-        order = torch.Generator().manual_seed(args.seed + epoch)
-        loader = DataLoader(
-            train,
-            batch_size=preset.batch_size,
-            shuffle=True,
-            generator=order,
-            num_workers=args.workers,
-            drop_last=len(train) > preset.batch_size,
-        )
-        head.train()
-        total, count = 0.0, 0
-        for x, y in eval_cli.progress(loader, len(loader), f"linear probe, epoch {epoch + 1}/{preset.epochs}"):
-            with torch.no_grad():
-                f = features(x.to(**like(features)))[preset.layer]
-            loss = F.cross_entropy(head(f), y.to(device))
-            first_loss = check_divergence(loss.item(), first_loss, preset.lr)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total, count = total + loss.item() * len(y), count + len(y)
-        acc = evaluate(features, preset.layer, head, val_loader, device)
-        history.append(
-            {"epoch": epoch + 1, "lr": lr, "train_loss": total / max(count, 1), **acc, "seconds": time.time() - t0}
-        )
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(
-            {
-                "identity": identity,
-                "head": head.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "epoch": epoch + 1,
-                "history": history,
-            },
-            ckpt_path,
-        )
+        lr = s.preset.lr_at(epoch)
+        train_loss, first_loss = train_epoch(probe, epoch, lr, first_loss)
+        acc = evaluate(probe.features, s.preset.layer, probe.head, val_loader, probe.device)
+        history.append({"epoch": epoch + 1, "lr": lr, "train_loss": train_loss, **acc, "seconds": time.time() - t0})
+        save_state(probe, epoch + 1, history)
         logger.info(
             "epoch %d/%d lr %.4g loss %.4f top-1 %.2f top-5 %.2f",
             epoch + 1,
-            preset.epochs,
+            s.preset.epochs,
             lr,
-            history[-1]["train_loss"],
+            train_loss,
             acc["top1"],
             acc["top5"],
         )
-
-    changed = backbone_changes(model, reference)
+    changed = backbone_changes(probe.model, probe.reference)
     if changed:
         raise RuntimeError(f"the frozen backbone changed during the linear probe: {', '.join(changed[:5])}")
+    return record(probe, history)
+
+
+def record(probe: Probe, history: list[dict]) -> dict:
+    """metrics.json: the run's settings, the last epoch's accuracy and the best top-1."""
+    s, preset = probe.settings, probe.settings.preset
     best = max(history, key=lambda h: h["top1"])
     return {
         "protocol": "linear",
-        "dataset": args.dataset,
-        "preset": args.preset,
-        **eval_cli.source_record(args.weights, args.encoder, backbone),
+        "dataset": s.dataset,
+        "preset": s.preset_name,
+        **eval_cli.source_record(s.weights, s.encoder, probe.backbone),
         "backbone_unchanged": True,
-        "feature": {"layer": preset.layer, **described, "head": "BN(no affine) + fc" if preset.head_bn else "fc"},
+        "feature": {"layer": preset.layer, **probe.described, "head": "BN(no affine) + fc" if preset.head_bn else "fc"},
         "settings": asdict(preset),
         "preprocessing": {
-            "train": f"RandomResizedCrop {crop} (scale 0.08-1) + horizontal flip",
-            "val": val_prep.describe(),
+            "train": f"RandomResizedCrop {probe.crop} (scale 0.08-1) + horizontal flip",
+            "val": probe.val_prep.describe(),
         },
-        "train": {"images": len(train)},
-        "val": {"images": len(val)},
-        "num_classes": num_classes,
+        "train": {"images": len(probe.train)},
+        "val": {"images": len(probe.val)},
+        "num_classes": len(probe.train.classes),
         "top1": history[-1]["top1"],
         "top5": history[-1]["top5"],
         "best_top1": best["top1"],

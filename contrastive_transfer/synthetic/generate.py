@@ -1,7 +1,6 @@
 """Synthetic datasets in the real on-disk layouts, deterministic for a seed.
 
     python -m contrastive_transfer.synthetic --out DIR [--seed S] [--preset tiny|small|voc07]
-    python -m transfer.datasets.synthetic ...              (the same command, its older name)
 
 writes, under DIR:
 

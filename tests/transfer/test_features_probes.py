@@ -18,6 +18,7 @@ from contrastive_transfer.contract import knn_vote
 from converters.checkpoint_io import load_backbone
 from transfer.features import LayerFeatures, Preprocessing, pool, pooling_for
 from transfer.knn import topk_accuracy
+from transfer.probe_presets import PRESETS
 
 
 def small_stem_resnet18(seed: int = 0) -> nn.Module:
@@ -215,7 +216,7 @@ def test_linear_probe_leaves_backbone_bit_identical(synthetic_root, random_check
     assert all(torch.equal(after[k], v) for k, v in on_disk.items())  # weights and BN buffers, every bit
     # The check can fail: one forward pass in train mode moves the BN statistics.
     model.train()(torch.randn(4, 3, 32, 32))
-    assert "bn1.running_mean" in linear.backbone_changes(model, on_disk)
+    assert "bn1.running_mean" in linear_probe.backbone_changes(model, on_disk)
 
 
 def test_linear_probe_resume_repeats_the_run(synthetic_root, random_checkpoint, tmp_path, monkeypatch):
@@ -243,7 +244,7 @@ def test_linear_probe_resume_repeats_the_run(synthetic_root, random_checkpoint, 
 
 
 def test_presets_follow_the_papers():
-    moco, adco, places = linear.PRESETS["moco"], linear.PRESETS["adco"], linear.PRESETS["places205"]
+    moco, adco, places = PRESETS["moco"], PRESETS["adco"], PRESETS["places205"]
     assert [moco.lr_at(e) for e in (0, 59, 60, 79, 80, 99)] == pytest.approx([30, 30, 3, 3, 0.3, 0.3])
     assert adco.lr_at(0) == pytest.approx(10) and adco.lr_at(50) == pytest.approx(0.01 + 0.5 * (10 - 0.01))
     assert [places.lr_at(e) for e in (6, 7, 14, 21)] == pytest.approx([0.01, 1e-3, 1e-4, 1e-5])

@@ -9,19 +9,11 @@ import scipy.optimize
 import torch
 
 from tests.transfer.test_voc07_svm import random_problem
-from transfer import voc07_svm
+from transfer import voc07_solvers
 from transfer.svm_solver import Basis, objective, solve, with_bias
-from transfer.voc07_svm import (
-    cv_folds,
-    fold_ap,
-    l2_normalize,
-    make_svm,
-    run_svms,
-    scoring_targets,
-    training_targets,
-    voc_ap,
-)
-from transfer.voc07_svm import objective as liblinear_objective
+from transfer.voc07_protocol import cv_folds, fold_ap, l2_normalize, scoring_targets, training_targets, voc_ap
+from transfer.voc07_solvers import make_svm, run_svms
+from transfer.voc07_solvers import objective as liblinear_objective
 
 
 def brute_force(x: np.ndarray, y: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -145,9 +137,9 @@ def test_map_equals_the_brute_force_protocol_and_the_liblinear_path(monkeypatch)
         lib.chosen_cost
     )
     # jobs=2: the same solve on 2 torch threads (the caller's thread count restored afterwards).
-    threads_seen, solve_classes, before = [], voc07_svm.newton_classes, torch.get_num_threads()
+    threads_seen, solve_classes, before = [], voc07_solvers.newton_classes, torch.get_num_threads()
     monkeypatch.setattr(
-        voc07_svm, "newton_classes", lambda *a: threads_seen.append(torch.get_num_threads()) or solve_classes(*a)
+        voc07_solvers, "newton_classes", lambda *a: threads_seen.append(torch.get_num_threads()) or solve_classes(*a)
     )
     two = run_svms(xtr, ltr, xte, lte, names, costs, jobs=2)
     assert threads_seen == [2] and torch.get_num_threads() == before

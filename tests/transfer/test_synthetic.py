@@ -188,7 +188,7 @@ def test_places205_file_lists(synthetic_root, synthetic_manifest):
 
 
 def test_cli_rerun_is_a_noop_and_foreign_data_is_refused(tmp_path):
-    cmd = [sys.executable, "-m", "transfer.datasets.synthetic", "--out", str(tmp_path), "--preset", "tiny"]
+    cmd = [sys.executable, "-m", "contrastive_transfer.synthetic", "--out", str(tmp_path), "--preset", "tiny"]
     subprocess.run(cmd, check=True, capture_output=True)
     manifest = tmp_path / "manifest.json"
     before = manifest.stat().st_mtime_ns

@@ -10,7 +10,9 @@ from sklearn.svm import LinearSVC
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.synthetic import VOC_CLASSES
 from transfer.datasets.readers import read_voc_labels
-from transfer.voc07_svm import check_disjoint, main, run_svms, scoring_targets, training_targets, voc_ap
+from transfer.voc07_protocol import check_disjoint, scoring_targets, training_targets, voc_ap
+from transfer.voc07_solvers import run_svms
+from transfer.voc07_svm import main
 
 # ------------------------------------------------------------------------------------------- AP
 
