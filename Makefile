@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 DATA ?= datasets/synthetic
 PRESET ?= small
 SEED ?= 0
-METHOD ?= simclr
+RECIPE ?= tiny_simclr
 
 .PHONY: setup demo test test-fast test-capabilities lint clean-data
 
@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml tools/setup_env.sh tools/install_detectron2_pypi.py
 	bash tools/setup_env.sh
 	touch $@
 
-# The whole pipeline on generated data (tools/demo.py): pretrain METHOD's tiny recipe, then kNN,
+# The whole pipeline on generated data (tools/demo.py): pretrain the tiny RECIPE, then kNN,
 # VOC07 SVM, linear probe and FPN fine-tune against a random-init backbone; outputs/demo/report.md.
 demo: setup
-	$(PY) tools/demo.py --data $(DATA) --preset $(PRESET) --seed $(SEED) --method $(METHOD) $(if $(FRESH),--fresh)
+	$(PY) tools/demo.py --data $(DATA) --preset $(PRESET) --seed $(SEED) --recipe $(RECIPE) $(if $(FRESH),--fresh)
 
 # One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores.
 test: setup

@@ -125,3 +125,11 @@ def test_demo_pipeline_at_the_tiny_preset(synthetic_root, tmp_path):
         report,
         re.M,
     )
+
+
+def test_the_recipe_must_be_a_tiny_one(tmp_path, capsys):
+    demo = _demo_module()
+    assert demo.main(["--recipe", "simclr", "--out", str(tmp_path / "out")]) == 2  # the ImageNet-scale recipe
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("error: RECIPE=simclr: expected a tiny recipe") and "tiny_mocov2" in line
+    assert not (tmp_path / "out").exists()  # refused before anything is written

@@ -1,9 +1,9 @@
 """The whole pipeline on generated data, CPU only: what `make demo` runs.
 
-    python tools/demo.py [--data DIR] [--preset small|tiny] [--method simclr] [--out outputs/demo]
+    python tools/demo.py [--data DIR] [--preset small|tiny] [--recipe tiny_simclr] [--out outputs/demo]
 
 1. synthetic datasets in the real layouts (skipped when already there);
-2. pretraining with ``accelerate launch -m pretrain`` on the tiny recipe of ``--method``;
+2. pretraining with ``accelerate launch -m pretrain`` on the tiny ``--recipe``;
 3. a random-init backbone of the same architecture, the baseline of every row;
 4. for both backbones: weighted kNN, VOC07 linear SVM, the ``bn`` linear probe, and FPN
    fine-tunes on the synthetic VOC (several seeds, backbone frozen) from its detectron2 conversion;
@@ -233,7 +233,7 @@ def plan(args, budget: Budget) -> list[Stage]:
     from pretrain.config import load_config
 
     py, out, data = sys.executable, args.out, args.data
-    recipe = ROOT / "configs" / "pretrain" / f"tiny_{args.method}.yaml"
+    recipe = ROOT / "configs" / "pretrain" / f"{args.recipe}.yaml"
     arch = load_config(recipe, [], 1).model.arch
     pretrain_dir, imagenet = out / "pretrain", data / "imagenet"
     final, random_ckpt = pretrain_dir / "checkpoint_final.pth", out / "random" / "random_init.pth"
@@ -317,7 +317,7 @@ def gain_line(p: Figure | None, r: Figure | None) -> str:
     return text
 
 
-def budgets(budget: Budget, method: str, seed: int) -> dict[str, str]:
+def budgets(budget: Budget, seed: int) -> dict[str, str]:
     return {
         "kNN top-1 (%)": "k 20, τ 0.07, 64 px center crop; deterministic",
         "VOC07 SVM mAP (%)": "res5avg, 128 px; deterministic",
@@ -378,11 +378,11 @@ def write_report(args, budget: Budget, failed: dict[str, str]) -> Path:
     rows = collect(out)
     plots = [out / "plots" / "pretrained_vs_random.png", out / "plots" / "curves.png"]
     comparison_plot(rows, plots[0])
-    spent = budgets(budget, args.method, args.seed)
+    spent = budgets(budget, args.seed)
     lines = [
-        f"# Demo report: {args.method} on the synthetic `{args.preset}` data (CPU)",
+        f"# Demo report: {args.recipe} on the synthetic `{args.preset}` data (CPU)",
         "",
-        f"Pretraining: `configs/pretrain/tiny_{args.method}.yaml`, seed {args.seed}, "
+        f"Pretraining: `configs/pretrain/{args.recipe}.yaml`, seed {args.seed}, "
         f"{pretrain_summary(out / 'pretrain')}.",
         "",
         "| metric | pretrained | random init | difference | budget and spread |",
@@ -410,7 +410,7 @@ def write_report(args, budget: Budget, failed: dict[str, str]) -> Path:
 def claim_output(args) -> str | None:
     """Record what OUT holds (OUT/demo.json); the reason to refuse when it holds another demo, whose
     finished stages would otherwise be taken for this one's."""
-    settings = {"method": args.method, "preset": args.preset, "seed": args.seed, "data": str(args.data)}
+    settings = {"recipe": args.recipe, "preset": args.preset, "seed": args.seed, "data": str(args.data)}
     record = args.out / "demo.json"
     if record.is_file():
         held = json.loads(record.read_text())
@@ -426,17 +426,17 @@ def claim_output(args) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("datasets/synthetic"))
-    parser.add_argument("--preset", default="small", choices=sorted(BUDGETS), help="data size and budget")
+    parser.add_argument("--preset", default="small", choices=sorted(BUDGETS), help="data preset (and its budget)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--method", default="simclr", help="pretraining recipe: configs/pretrain/tiny_<method>.yaml")
+    parser.add_argument("--recipe", default="tiny_simclr", help="tiny pretraining recipe: configs/pretrain/<recipe>.yaml")
     parser.add_argument("--out", "--output-dir", type=Path, default=Path("outputs/demo"), help="output folder")
     parser.add_argument("--fresh", action="store_true", help="redo every stage")
     args = parser.parse_args(argv)
 
-    recipe = ROOT / "configs" / "pretrain" / f"tiny_{args.method}.yaml"
-    if not recipe.is_file():
-        names = sorted(p.stem[len("tiny_") :] for p in recipe.parent.glob("tiny_*.yaml"))
-        print(f"error: METHOD={args.method}: no {recipe.relative_to(ROOT)}; expected one of {', '.join(names)}")
+    recipe = ROOT / "configs" / "pretrain" / f"{args.recipe}.yaml"
+    if not (args.recipe.startswith("tiny_") and recipe.is_file()):
+        names = sorted(p.stem for p in recipe.parent.glob("tiny_*.yaml"))
+        print(f"error: RECIPE={args.recipe}: expected a tiny recipe of configs/pretrain: {', '.join(names)}")
         return 2
     args.data, args.out = args.data.resolve(), args.out.resolve()
     if args.fresh and args.out.exists():
