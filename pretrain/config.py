@@ -15,13 +15,12 @@ from typing import Any, Iterable, Iterator
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, STEMS
+from contrastive_transfer.contract import ARCHS, KNN_K, KNN_TEMPERATURE, STEMS
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import check_run_name, escapes
 from contrastive_transfer.yaml_limits import compose as compose_yaml
 from pretrain.augment.views import ViewError, resolve
 from pretrain.methods import METHODS
-from pretrain.models import ARCHS
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "name": None,  # run name; defaults to the recipe's file name

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from converters.checkpoint_io import ARCHS, LAYOUTS, CheckpointError, build_resnet, load_backbone
+from contrastive_transfer.contract import ARCHS
+from converters.checkpoint_io import LAYOUTS, CheckpointError, build_resnet, load_backbone
 
 
 def _assert_same_tensors(got: dict, want: dict) -> None:
