@@ -19,6 +19,14 @@ RUNTIME = ("contrastive_transfer", "pretrain", "converters", "transfer")
 DODGE = re.compile(r"#.*\b(late|circular|circle|cycle)\b", re.IGNORECASE)
 
 
+# Imports against the tower order that remain for now, each with its reason; a new one fails.
+KNOWN_CROSSINGS = {
+    # npc reads any checkpoint layout (MoCo, VISSL, torchvision files) through the converters' reader;
+    # leaving it needs that reader in the base package or npc limited to this project's files.
+    ("pretrain.analysis.npc", "converters.checkpoint_io"),
+}
+
+
 @dataclass(frozen=True)
 class Import:
     source: str  # the importing module
@@ -190,7 +198,9 @@ def test_towers_depend_only_on_the_base_package(graph, package, allowed):
         {
             f"{i.source}:{i.line} imports {i.target}"
             for i in imports
-            if i.source.split(".")[0] == package and i.target.split(".")[0] not in allowed
+            if i.source.split(".")[0] == package
+            and i.target.split(".")[0] not in allowed
+            and (i.source, i.target) not in KNOWN_CROSSINGS
         }
     )
     assert not bad, "\n".join(bad)

@@ -3,7 +3,7 @@
 #   1. SimCLR on 1 GPU vs 2 GPUs (NCCL, torch SyncBatchNorm), same global batch: equal losses;
 #      MoCo v2 on 2 GPUs (shuffle BN across GPUs): trains with finite losses;
 #   2. images/s and peak memory per GPU, fp32 vs bf16, with and without channels_last and
-#      torch.compile (python -m pretrain.bench --device cuda), written to benchmarks/gpu.md;
+#      torch.compile (python -m benchmarks.pretraining --device cuda), written to benchmarks/gpu.md;
 #   3. JPEGs decoded on the GPU (data.backend=device, nvJPEG): a run that trains, and the data path's
 #      images/s per core and on the GPU (python -m benchmarks.data --device cuda).
 # Usage: bash tools/gpu_check.sh            (after `make setup` with a CUDA build of torch)
@@ -14,7 +14,7 @@ DATA=${DATA:-datasets/synthetic}
 WORK=${WORK:-outputs/gpu_check}
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -lt 1 ]; then echo "error: no CUDA device visible to $PY (install a CUDA build of torch)"; exit 1; fi
-[ -f "$DATA/manifest.json" ] || $PY -m transfer.datasets.synthetic --out "$DATA" --preset small
+[ -f "$DATA/manifest.json" ] || $PY -m contrastive_transfer.synthetic --out "$DATA" --preset small
 rm -rf "$WORK" && mkdir -p "$WORK"
 run() {  # run NAME NPROC RECIPE [overrides...]
   local name=$1 nproc=$2 recipe=$3; shift 3
@@ -41,7 +41,7 @@ for variant in "fp32:train.mixed_precision=no" "bf16:train.mixed_precision=bf16"
   name=${variant%%:*}; sets=""
   for kv in ${variant#*:}; do sets="$sets --set=$kv"; done
   # shellcheck disable=SC2086
-  $PY -m pretrain.bench --device cuda --no-augmentation --recipes "$RECIPES" --data-root "$DATA/imagenet/train" \
+  $PY -m benchmarks.pretraining --device cuda --no-augmentation --recipes "$RECIPES" --data-root "$DATA/imagenet/train" \
     --set=data.image_size=224 --set=train.batch_size=128 $sets --out "$WORK/bench_$name.md"
 done
 echo "== 3. decode on the GPU (data.backend=device)"

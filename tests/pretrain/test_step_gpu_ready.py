@@ -19,7 +19,7 @@ from contrastive_transfer.errors import ConfigError
 from pretrain.config import load_config
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.engine import train
-from pretrain.losses.infonce import in_batch_similarities
+from pretrain.losses.similarities import in_batch_similarities
 from pretrain.methods import METHODS
 from pretrain.models import SplitBatchNorm, momentum_update
 from pretrain.optim import LARS

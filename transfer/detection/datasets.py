@@ -2,7 +2,7 @@
 
 The root is ``--data-root`` or ``$DETECTRON2_DATASETS`` (default ``./datasets``) and holds
 ``VOC2007/``, ``VOC2012/`` (devkit layout, not ``VOCdevkit/VOC2007``) and ``coco/`` — the layout
-detectron2 documents and ``transfer.datasets.synthetic`` writes, so pointing the root at the
+detectron2 documents and ``contrastive_transfer.synthetic`` writes, so pointing the root at the
 synthetic datasets trains on them under the same names.
 
 detectron2 registers these names itself at import time, but only from ``$DETECTRON2_DATASETS``
