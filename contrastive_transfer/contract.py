@@ -9,7 +9,8 @@ Both files a pretraining run writes carry the same record at their top level::
     format             "contrastive-transfer/backbone/v1"  (BACKBONE_FORMAT; readers refuse other versions)
     backbone           {torchvision ResNet name: tensor}   the query/online encoder's ResNet, no fc
     momentum_backbone  the same for the momentum (key) encoder, or None
-    arch, stem         e.g. "resnet50", "imagenet" (7x7/2 conv + max-pool) | "small" (3x3/1, no max-pool)
+    arch, stem         one of ARCHS, e.g. "resnet50"; one of STEMS: "imagenet" (7x7/2 conv + max-pool) |
+                       "small" (3x3/1, no max-pool); ``resnet_backbone`` builds the network
     image_size         the pretraining crop in pixels (evaluators use it for --crop auto)
     weights_sha256     ``weights_sha256(backbone)``: evaluators repeat it in metrics.json, so a
                        figure names exactly the weights it measured (absent in older files)
@@ -24,19 +25,47 @@ Torch is imported inside the functions that need it, so a command's ``--help`` d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from contrastive_transfer.cli import UserError
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 BACKBONE_FORMAT = "contrastive-transfer/backbone/v1"
 _FORMAT_FAMILY = BACKBONE_FORMAT.rsplit("/", 1)[0] + "/"
 FINAL_NAME, LAST_NAME, PREV_NAME = "checkpoint_final.pth", "checkpoint_last.pth", "checkpoint_prev.pth"
 TRAINING_STATE_KEYS = frozenset({"method", "optimizer", "step"})  # present in every training state
-STEMS = ("imagenet", "small")
+
+
+@dataclass(frozen=True)
+class ResNetSpec:
+    """A ResNet variant as torchvision (and detectron2's build_resnet_backbone) builds it."""
+
+    depth: int
+    bottleneck: bool
+    blocks: tuple[int, int, int, int]  # blocks per stage
+    width_per_group: int = 64  # the bottleneck width of stage 1; torchvision's wide variants use 128
+
+
+# The record's ``arch``: the torchvision ResNets that pretraining builds and every reader rebuilds.
+ARCHS: dict[str, ResNetSpec] = {
+    "resnet18": ResNetSpec(18, False, (2, 2, 2, 2)),
+    "resnet34": ResNetSpec(34, False, (3, 4, 6, 3)),
+    "resnet50": ResNetSpec(50, True, (3, 4, 6, 3)),
+    "resnet101": ResNetSpec(101, True, (3, 4, 23, 3)),
+    "resnet152": ResNetSpec(152, True, (3, 8, 36, 3)),
+    "wide_resnet50_2": ResNetSpec(50, True, (3, 4, 6, 3), 128),
+    "wide_resnet101_2": ResNetSpec(101, True, (3, 4, 23, 3), 128),
+}
+# The record's ``stem``, with its conv1 kernel (by which a reader recognizes the stem of a file
+# that does not say): "imagenet" is torchvision's 7×7/2 conv and max-pool, "small" a CIFAR-style
+# 3×3/1 conv without max-pool for 32-64 px images.
+STEM_KERNELS = {"imagenet": (7, 7), "small": (3, 3)}
+STEMS = tuple(STEM_KERNELS)
 
 # torchvision's ImageNet statistics (RGB, 0-1 scale): every pretraining view and every evaluation.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -50,6 +79,24 @@ KNN_K, KNN_TEMPERATURE = 200, 0.07
 class FormatError(UserError, ValueError):
     """A file that claims this project's format but cannot be read as it (another version, a
     missing key); the message is one line naming the file."""
+
+
+def resnet_backbone(
+    arch: str, stem: str = "imagenet", norm_layer: Callable[[int], nn.Module] | None = None
+) -> tuple[nn.Module, int]:
+    """A freshly initialized torchvision ResNet ``arch`` with ``stem`` and without its classifier
+    (``fc`` = Identity, so the state dict has torchvision's names and no ``fc.*``); returns
+    (backbone, feature dimension). ``norm_layer``: torchvision's (BatchNorm2d when None)."""
+    import torchvision
+    from torch import nn
+
+    net = getattr(torchvision.models, arch)(weights=None, norm_layer=norm_layer)
+    if stem == "small":
+        net.conv1 = nn.Conv2d(3, 64, kernel_size=STEM_KERNELS["small"], stride=1, padding=1, bias=False)
+        net.maxpool = nn.Identity()
+    dim = net.fc.in_features
+    net.fc = nn.Identity()
+    return net, dim
 
 
 def backbone_record(

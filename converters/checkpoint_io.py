@@ -23,16 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torchvision
 from safetensors import safe_open
 from torch import nn
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import (
+    ARCHS,
+    STEM_KERNELS,
     TRAINING_STATE_KEYS,
     FormatError,
     pretraining_image_size,
     read_backbone_record,
+    resnet_backbone,
     weights_sha256,
 )
 from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
@@ -63,52 +65,15 @@ class Backbone:
         return ARCHS[self.arch].depth
 
 
-# --------------------------------------------------------------------------------------------
-# ResNet variants: blocks per stage as in torchvision (and detectron2's build_resnet_backbone).
-
-
-@dataclass(frozen=True)
-class ResNetSpec:
-    depth: int
-    bottleneck: bool
-    blocks: tuple[int, int, int, int]
-    width_per_group: int = 64  # the bottleneck width of stage 1; torchvision's wide variants use 128
-
-
-ARCHS: dict[str, ResNetSpec] = {
-    "resnet18": ResNetSpec(18, False, (2, 2, 2, 2)),
-    "resnet34": ResNetSpec(34, False, (3, 4, 6, 3)),
-    "resnet50": ResNetSpec(50, True, (3, 4, 6, 3)),
-    "resnet101": ResNetSpec(101, True, (3, 4, 23, 3)),
-    "resnet152": ResNetSpec(152, True, (3, 8, 36, 3)),
-    "wide_resnet50_2": ResNetSpec(50, True, (3, 4, 6, 3), 128),
-    "wide_resnet101_2": ResNetSpec(101, True, (3, 4, 23, 3), 128),
-}
-
-STEMS = {(7, 7): "imagenet", (3, 3): "small"}
+_STEM_OF_KERNEL = {kernel: stem for stem, kernel in STEM_KERNELS.items()}
 _BACKBONE_KEY = re.compile(r"^(conv1|bn1|layer[1-4])\.")
 _BLOCK_KEY = re.compile(r"^layer([1-4])\.(\d+)\.")
-
-
-def _replace_small_stem(net: nn.Module) -> None:
-    # Re-stated from pretrain.models.build_backbone (converters must not import pretrain):
-    # CIFAR-style stem for 32-64 px images, a 3x3/1 conv and no max-pool.
-    net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    net.maxpool = nn.Identity()
-
-
-def _torchvision_resnet(arch: str, stem: str) -> nn.Module:
-    net = getattr(torchvision.models, arch)(weights=None)
-    if stem == "small":
-        _replace_small_stem(net)
-    net.fc = nn.Identity()
-    return net
 
 
 @functools.lru_cache(maxsize=None)
 def _expected_shapes(arch: str, stem: str) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):  # shapes only: no memory, no initialization cost
-        net = _torchvision_resnet(arch, stem)
+        net, _ = resnet_backbone(arch, stem)
     return {k: tuple(v.shape) for k, v in net.state_dict().items()}
 
 
@@ -335,7 +300,7 @@ def _check_tensor(v: torch.Tensor, name: str, source: str) -> None:
 
 def _detect_stem(sd: dict[str, torch.Tensor], source: str) -> str:
     shape = tuple(sd["conv1.weight"].shape)
-    stem = STEMS.get(shape[2:]) if len(shape) == 4 and shape[:2] == (64, 3) else None
+    stem = _STEM_OF_KERNEL.get(shape[2:]) if len(shape) == 4 and shape[:2] == (64, 3) else None
     if stem is None:
         raise CheckpointError(
             f"{source}: conv1.weight has shape {shape}, expected (64, 3, 7, 7) "
@@ -428,7 +393,7 @@ def _read_backbone(ckpt, record: dict | None, source: str, encoder: str, layout:
 
 def build_resnet(backbone: Backbone) -> nn.Module:
     """A torchvision ResNet (fc = Identity) holding `backbone`'s weights (strict load), in eval mode."""
-    net = _torchvision_resnet(backbone.arch, backbone.stem)
+    net, _ = resnet_backbone(backbone.arch, backbone.stem)
     net.load_state_dict(backbone.state_dict, strict=True)
     return net.eval()
 

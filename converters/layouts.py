@@ -35,12 +35,6 @@ LAYOUTS: dict[str, Layout] = {
             query=(("backbone", ""),),
             key=(("momentum_backbone", ""),),
         ),
-        Layout(  # a name users passed before the training state carried the record; kept working
-            "project-training",
-            "this project's checkpoint_last.pth / checkpoint_prev.pth (the same record as 'project')",
-            query=(("backbone", ""),),
-            key=(("momentum_backbone", ""),),
-        ),
         Layout(
             "moco",
             "official MoCo v1/v2/v3 and AdCo checkpoints (state_dict with module.encoder_q. / module.base_encoder.)",

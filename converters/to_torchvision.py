@@ -9,7 +9,8 @@ evaluator of this project reads it back, ``--crop auto`` included.
 
 Load it with ``torchvision.models.<arch>().load_state_dict(sd, strict=False)`` (only ``fc.*`` is
 missing). A small-stem backbone keeps its 3x3 ``conv1``: rebuild the stem first
-(``conv1 = Conv2d(3, 64, 3, 1, 1, bias=False)``, ``maxpool = Identity()``).
+(``conv1 = Conv2d(3, 64, 3, 1, 1, bias=False)``, ``maxpool = Identity()``), or build the network with
+``contrastive_transfer.contract.resnet_backbone(arch, "small")``.
 """
 
 from __future__ import annotations

@@ -15,15 +15,12 @@ from typing import Any, Iterable, Iterator
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from contrastive_transfer.cli import UserError
-from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, STEMS
+from contrastive_transfer.contract import ARCHS, KNN_K, KNN_TEMPERATURE, STEMS
+from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import check_run_name, escapes
 from contrastive_transfer.yaml_limits import compose as compose_yaml
-
-
-class ConfigError(UserError, ValueError):
-    """A bad configuration value; the message names the key and the allowed values."""
-
+from pretrain.augment.views import ViewError, resolve
+from pretrain.methods import METHODS
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "name": None,  # run name; defaults to the recipe's file name
@@ -163,8 +160,6 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     Raises ConfigError (one line naming the key and the allowed values) for unknown keys,
     unknown methods, values outside their choices and impossible settings.
     """
-    from pretrain.methods import METHODS  # late: methods import ConfigError from here
-
     path = Path(path)
     user = _read_yaml(path)
     bad = [o for o in overrides if "=" not in o]
@@ -198,8 +193,6 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     OmegaConf.resolve(cfg)
     if cfg.train.mixed_precision is False:  # YAML reads a bare `no` as false
         cfg.train.mixed_precision = "no"
-    from pretrain.augment.views import ViewError, resolve
-
     try:  # the views in full, so that config.yaml and --print-config show what runs
         cfg.data.views = resolve(cfg.data.augmentation, cfg.data.views)
     except ViewError as e:
@@ -209,9 +202,6 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
 
 
 def validate(cfg: DictConfig, num_processes: int) -> None:
-    from pretrain.methods import METHODS
-    from pretrain.models import ARCHS
-
     for key, allowed in {**CHOICES, "model.arch": ARCHS}.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:

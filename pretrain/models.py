@@ -12,11 +12,10 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
-ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2", "wide_resnet101_2")
-STEMS = ("imagenet", "small")
+from contrastive_transfer.contract import resnet_backbone
+
 HEADS = ("linear", "mlp", "mlp_bn", "mlp_hidden_bn")
 
 
@@ -70,13 +69,7 @@ def build_backbone(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tup
     images; bn_splits > 1 uses SplitBatchNorm everywhere.
     """
     norm = nn.BatchNorm2d if bn_splits == 1 else partial(SplitBatchNorm, num_splits=bn_splits)
-    net = getattr(torchvision.models, arch)(weights=None, norm_layer=norm)
-    if stem == "small":
-        net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-        net.maxpool = nn.Identity()
-    dim = net.fc.in_features
-    net.fc = nn.Identity()
-    return net, dim
+    return resnet_backbone(arch, stem, norm)
 
 
 def _bn_without_shift(dim: int) -> nn.BatchNorm1d:

@@ -20,6 +20,7 @@ import torchvision
 
 from contrastive_transfer import safe_load
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import PathEscapeError
 from converters import legacy_to_safe, to_detectron2, to_torchvision
 
@@ -368,7 +369,7 @@ def test_a_recipe_cannot_write_outside_or_store_the_environment(body, expected, 
 
 
 def test_an_augmentation_preset_is_a_name_not_a_path(tmp_path):
-    from pretrain.config import ConfigError, load_config
+    from pretrain.config import load_config
 
     (tmp_path / "evil.yaml").write_text("views: []\n")
     relative = f"../../../../../../..{tmp_path}/evil"  # configs/augment/<this>.yaml is tmp_path/evil.yaml
@@ -378,7 +379,7 @@ def test_an_augmentation_preset_is_a_name_not_a_path(tmp_path):
 
 
 def test_an_override_may_not_call_the_environment_either(tmp_path, monkeypatch):
-    from pretrain.config import ConfigError, load_config
+    from pretrain.config import load_config
 
     monkeypatch.setenv("SECRET_TOKEN", "s3cr3t-value")
     with pytest.raises(ConfigError, match="calls a resolver"):
@@ -488,7 +489,7 @@ def test_detection_weights_with_nan_are_refused(detection, tmp_path):
     config, *_ = detection
     path = tmp_path / "nan.pkl"
     path.write_bytes(pickle.dumps({"model": {"w": np.full(3, np.nan, np.float32)}, "__author__": "x"}))
-    with pytest.raises(config.ConfigError, match="w holds non-finite values"):
+    with pytest.raises(ConfigError, match="w holds non-finite values"):
         config.read_weights(str(path))
 
 

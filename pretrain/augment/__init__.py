@@ -1,4 +1,4 @@
-"""A view's augmentation, in three files:
+"""A view's augmentation:
 
 - ``views.py``: the declaration. Each view is an ordered mapping ``op → parameters`` in the config
   (``data.views``), presets in ``configs/augment/``; validation, key-by-key edits, and the builders
@@ -7,6 +7,7 @@
   uint8, then the colour ops batched with per-image draws (torch ops: on the GPU when
   ``data.colour_on_device``, and the reference the CPU kernel is tested against).
 - ``jitter_cpu.py``: the colour jitter fused per image (numba), what the CPU workers run.
+- ``fast.py`` and ``on_device.py``: the other view backends (``data.backend: fast | device``).
 """
 
 from pretrain.augment.pipeline import ViewTransform
@@ -21,11 +22,8 @@ from pretrain.augment.views import (
     resolve,
 )
 
-RECIPES = PRESETS  # the older name
-
 __all__ = [
     "PRESETS",
-    "RECIPES",
     "SIGMA",
     "ViewError",
     "ViewTransform",

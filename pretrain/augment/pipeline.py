@@ -1,14 +1,14 @@
 """Two-stage view augmentation: per-sample geometry, then batched photometry with per-sample parameters.
 
-torchvision's v2 ops take one parameter set per call, so a recipe's random colour ops run one
+torchvision's v2 ops take one parameter set per call, so a view's random colour ops run one
 image at a time, and on small images the per-call overhead dominates (ColorJitter ≈ 3.7 ms per
-64 px view). A :class:`ViewTransform` keeps a recipe as torchvision v2 ops in the paper's order
+64 px view). A :class:`ViewTransform` keeps a view's ops as torchvision v2 ops in the paper's order
 and runs it in two stages:
 
 1. ``sample(image)``, per sample: the geometric ops (RandomResizedCrop, RandomHorizontalFlip) by
    torchvision on uint8, and one vector of uniforms ``u`` that fixes every photometric draw.
    Both come from the global torch RNG, which the dataset seeds per ``(seed, epoch, index)``.
-2. ``finish(crops, u)``, per batch: uint8 → float32 in [0, 1], the photometric ops in recipe
+2. ``finish(crops, u)``, per batch: uint8 → float32 in [0, 1], the photometric ops in declared
    order with the per-sample parameters decoded from ``u`` (ColorJitter on CPU tensors by the
    fused kernel of ``pretrain/augment/jitter_cpu.py``, same arithmetic), then Normalize. Every op treats the
    samples independently (elementwise, per-image mean, depthwise convolution), so a sample's
@@ -252,7 +252,7 @@ GEOMETRIC = (
 
 
 class ViewTransform:
-    """One view's recipe (torchvision v2 ops in the paper's order, then ToDtype and Normalize),
+    """One view's augmentation (torchvision v2 ops in the paper's order, then ToDtype and Normalize),
     run as per-sample geometry + batched photometry (module docstring).
 
     ``transforms`` lists the ops as declared. ``view(image)`` augments one image (PIL or CHW

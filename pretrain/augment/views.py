@@ -235,14 +235,15 @@ def to_yaml(views: list[dict]) -> str:
 
 
 def build_view_transforms(
-    recipe: str, image_size: int, min_crop_scale: float | None = None, views=None
+    augmentation: str, image_size: int, min_crop_scale: float | None = None, views=None
 ) -> list[ViewTransform]:
-    """The ViewTransforms of the declared views (above): the preset ``recipe``'s, or
-    ``views`` (a full list, or edits of the preset). ``min_crop_scale`` replaces the lower bound
+    """The ViewTransforms of the declared views (above): those of the augmentation preset
+    ``augmentation`` (``data.augmentation``, a name in configs/augment/), or ``views`` (a full list,
+    or edits of the preset). ``min_crop_scale`` replaces the lower bound
     of every view's crop area (MoCo 0.2, SimCLR and BYOL 0.08); None keeps the declared one."""
     if min_crop_scale is not None and not 0 < min_crop_scale <= 1:
         raise ValueError(f"min_crop_scale={min_crop_scale}: expected a fraction of the image area in (0, 1]")
-    return [build_view(view, image_size, min_crop_scale) for view in resolve(recipe, views)]
+    return [build_view(view, image_size, min_crop_scale) for view in resolve(augmentation, views)]
 
 
 def build_multicrop_transforms(

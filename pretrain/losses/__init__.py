@@ -1,45 +1,32 @@
-"""Contrastive losses as pure functions on similarities, plus thin nn.Module wrappers.
+"""Contrastive losses as pure functions on similarities, plus thin nn.Module wrappers: one loss per
+module (``infonce``, ``eqco``, ``nt_xent``, ``dcl``, ``dual_temperature``, AdCo's ``adversarial``
+bank), the similarities they consume (``similarities``) and their fp32 discipline (``precision``).
 
-``LOSSES`` is what ``method.loss`` chooses on every InfoNCE host: a new loss is one class
-(a ``ContrastiveLoss`` declaring its config keys, checks and construction) plus one line here."""
+``LOSSES`` (``registry``) is what ``method.loss`` chooses on every InfoNCE host, with the options
+each loss reads from the config; the loss modules themselves know nothing of the config."""
 
 from .adversarial import AdversarialBank, adversary_gradient
 from .dcl import DCLLoss, DCLWLoss, dclw_weights, decoupled_nce
 from .dual_temperature import DualTemperatureLoss, dual_temperature_nce, dual_temperature_weights
-from .infonce import (
-    SAMPLING_MODES,
-    ContrastiveLoss,
-    InfoNCELoss,
-    eqco_margin,
-    in_batch_similarities,
-    info_nce,
-    mi_lower_bound,
-    nt_xent_similarities,
-    positive_number,
-    sample_negatives,
-    similarities,
-)
-
-LOSSES: dict[str, type[ContrastiveLoss]] = {
-    "infonce": InfoNCELoss,
-    "dcl": DCLLoss,
-    "dclw": DCLWLoss,
-    "dual_temperature": DualTemperatureLoss,
-}
-# Every loss's own keys with their defaults: a host declares them all, so that method.loss can be
-# switched from the command line without other edits.
-LOSS_CONFIG_KEYS = {key: default for loss in LOSSES.values() for key, default in loss.config_keys.items()}
+from .eqco import EqCoLoss, eqco_margin
+from .infonce import ContrastiveLoss, InfoNCELoss, info_nce, mi_lower_bound
+from .nt_xent import NTXentLoss, nt_xent_similarities
+from .registry import LOSS_CONFIG_KEYS, LOSSES, LossSpec, positive_number
+from .similarities import SAMPLING_MODES, in_batch_similarities, sample_negatives, similarities
 
 __all__ = [
     "LOSSES",
     "LOSS_CONFIG_KEYS",
+    "LossSpec",
     "ContrastiveLoss",
     "DCLWLoss",
     "SAMPLING_MODES",
     "AdversarialBank",
     "DCLLoss",
     "DualTemperatureLoss",
+    "EqCoLoss",
     "InfoNCELoss",
+    "NTXentLoss",
     "adversary_gradient",
     "dclw_weights",
     "decoupled_nce",

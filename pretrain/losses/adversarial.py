@@ -1,6 +1,8 @@
-"""AdCo's negative adversaries (Hu et al., "AdCo: Adversarial Contrast for Efficient Learning of
-Unsupervised Representations from Self-Trained Negative Adversaries", CVPR'21; code:
-maple-research-lab/AdCo ``training/train.py``, ``model/AdCo.py``).
+"""AdCo's negative adversaries: a bank of learned negatives that ascends the contrastive loss.
+
+Paper: Qianjiang Hu, Xiao Wang, Wei Hu, Guo-Jun Qi, "AdCo: Adversarial Contrast for Efficient
+Learning of Unsupervised Representations from Self-Trained Negative Adversaries", CVPR 2021,
+arXiv:2011.08435 (code: maple-research-lab/AdCo ``training/train.py``, ``model/AdCo.py``).
 
 The bank is a raw matrix W ∈ R^{d×K} that is never renormalized in place; every use takes
 n̂_k = W_k/‖W_k‖. The network minimizes, for local queries q_i (N×d) against the gathered keys
@@ -34,7 +36,7 @@ from torch import nn
 
 from pretrain import dist
 
-from .infonce import _fp32, _no_autocast
+from .precision import fp32, no_autocast
 
 __all__ = ["adversary_gradient", "AdversarialBank"]
 
@@ -52,12 +54,12 @@ def adversary_gradient(
         bank: (d, K) raw (un-normalized) adversaries W.
         temperature: τ_m.
     """
-    with _no_autocast(q):
-        q, bank = _fp32(q), _fp32(bank)
+    with no_autocast(q):
+        q, bank = fp32(q), fp32(bank)
         norms = bank.norm(dim=0)
         unit = bank / norms
         bank_logits = q @ unit  # N×K
-        logits = torch.cat([_fp32(batch_logits), bank_logits], dim=1) / temperature
+        logits = torch.cat([fp32(batch_logits), bank_logits], dim=1) / temperature
         p = torch.softmax(logits, dim=1)[:, -bank.shape[1] :]
         n = q.shape[0]
         grad_unit = q.T @ p / n  # (1/N) Σ_i P_ik q_i, d×K
@@ -68,7 +70,22 @@ def adversary_gradient(
 class AdversarialBank(nn.Module):
     """K learned negatives W (d×K, raw) with their momentum v; both are buffers, so the method's
     state_dict (and every checkpoint) holds them. Not a parameter: the network optimizer and DDP
-    must never touch it (its lr is 100× the network's)."""
+    must never touch it (its lr is 100× the network's).
+
+    Example (8-dimensional queries against 32 adversaries; one ascent step moves the bank)::
+
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> _ = torch.manual_seed(0)
+        >>> bank = AdversarialBank(dim=8, size=32)
+        >>> q = F.normalize(torch.randn(4, 8), dim=1)
+        >>> bank.logits(q).shape
+        torch.Size([4, 32])
+        >>> before = bank.weight.clone()
+        >>> bank.ascend(adversary_gradient(q, q @ q.T, bank.weight, 0.02), lr=3.0, momentum=0.9, weight_decay=1e-4)
+        >>> bool((bank.weight != before).any())
+        True
+    """
 
     weight: torch.Tensor
     momentum_buffer: torch.Tensor
@@ -84,8 +101,8 @@ class AdversarialBank(nn.Module):
 
     def logits(self, q: torch.Tensor) -> torch.Tensor:
         """(N, K) cosines ⟨q_i, n̂_k⟩ in fp32, differentiable in q (and in W if it requires grad)."""
-        with _no_autocast(q):
-            return _fp32(q) @ F.normalize(_fp32(self.weight), dim=0)
+        with no_autocast(q):
+            return fp32(q) @ F.normalize(fp32(self.weight), dim=0)
 
     @torch.no_grad()
     def fill(self, keys: torch.Tensor, start: int) -> int:

@@ -1,4 +1,7 @@
-"""Decoupled contrastive learning: DCL and DCLW (Yeh et al., "Decoupled Contrastive Learning").
+"""Decoupled contrastive learning: DCL and DCLW.
+
+Paper: Chun-Hsiao Yeh, Cheng-Yao Hong, Yen-Chi Hsu, Tyng-Luh Liu, Yubei Chen, Yann LeCun, "Decoupled
+Contrastive Learning", ECCV 2022, arXiv:2110.06848.
 
 InfoNCE's gradient for anchor i is scaled by the negative-positive coupling (NPC) multiplier
 q_B,i = 1 − e^{s₀/τ} / (e^{s₀/τ} + Σ_k e^{s_k/τ}) (DCL paper, Prop. 1). DCL removes the positive
@@ -35,9 +38,10 @@ import torch
 
 from pretrain import dist
 
-from .infonce import ContrastiveLoss, _fp32, _no_autocast, positive_number, reduce_loss
+from .infonce import ContrastiveLoss, reduce_loss
+from .precision import fp32, no_autocast
 
-__all__ = ["decoupled_nce", "dclw_weights", "DCLLoss"]
+__all__ = ["decoupled_nce", "dclw_weights", "DCLLoss", "DCLWLoss"]
 
 
 def dclw_weights(pos: torch.Tensor, sigma: float = 0.5, detach: bool = True, per_process: bool = False) -> torch.Tensor:
@@ -50,8 +54,8 @@ def dclw_weights(pos: torch.Tensor, sigma: float = 0.5, detach: bool = True, per
     Duplicated anchors (SimCLR's [z1; z2] rows share their positive) give the same weights as
     the distinct pairs: 2 − 2M·e_i/(2Σe) = 2 − M·e_i/Σe.
     """
-    with _no_autocast(pos):
-        pos = _fp32(pos.detach() if detach else pos)
+    with no_autocast(pos):
+        pos = fp32(pos.detach() if detach else pos)
         if per_process:
             return 2.0 - pos.shape[0] * torch.softmax(pos / sigma, dim=0)
         # With undetached weights every rank's loss depends on every rank's positives: the
@@ -75,9 +79,9 @@ def decoupled_nce(
         pos_weight: (N,) DCLW weights w (see :func:`dclw_weights`); None means w ≡ 1 (DCL).
         reduction: "mean" | "sum" | "none".
     """
-    with _no_autocast(pos):
-        pos, neg = _fp32(pos), _fp32(neg)
-        positive = pos / temperature if pos_weight is None else _fp32(pos_weight) * pos / temperature
+    with no_autocast(pos):
+        pos, neg = fp32(pos), fp32(neg)
+        positive = pos / temperature if pos_weight is None else fp32(pos_weight) * pos / temperature
         loss = torch.logsumexp(neg / temperature, dim=1) - positive
     return reduce_loss(loss, reduction)
 
@@ -86,11 +90,17 @@ class DCLLoss(ContrastiveLoss):
     """DCL (``weight_sigma=None``) or DCLW (weights with σ = ``weight_sigma``) on (pos (N,), neg (N, K)).
 
     DCLW's weights are over the global batch unless ``per_process_weights`` (see :func:`dclw_weights`).
-    """
 
-    @classmethod
-    def from_config(cls, m) -> DCLLoss:
-        return cls(float(m.temperature))
+    Example (the positive's gradient is −1/(τ·N) whatever the negatives: decoupled)::
+
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> pos, neg = torch.rand(4, generator=g).requires_grad_(), torch.rand(4, 16, generator=g)
+        >>> loss = DCLLoss(temperature=0.5)(pos, neg)
+        >>> loss.backward()
+        >>> loss.shape, torch.allclose(pos.grad, torch.full((4,), -1 / (0.5 * 4)))
+        (torch.Size([]), True)
+    """
 
     def __init__(
         self,
@@ -121,21 +131,19 @@ class DCLLoss(ContrastiveLoss):
 
 
 class DCLWLoss(DCLLoss):
-    """DCLW: DCL with the positive weighted by w = 2 − N·softmax(⟨z1,z2⟩/σ) (see :func:`dclw_weights`)."""
+    """DCLW: DCL with the positive weighted by w = 2 − N·softmax(⟨z1,z2⟩/σ) (see :func:`dclw_weights`).
 
-    config_keys = {
-        "dclw_sigma": 0.5,  # σ of the weights
-        "dclw_detach": True,  # weights from detached similarities (lightly); False: they carry gradient
-        "dclw_per_process": False,  # softmax over each process's anchors (lightly's form); default: global batch
-    }
+    Example (the weights average to 1 over the batch; with equal positives DCLW is DCL)::
 
-    @classmethod
-    def check(cls, m) -> None:
-        positive_number(m, "dclw_sigma")
-
-    @classmethod
-    def from_config(cls, m) -> DCLWLoss:
-        return cls(float(m.temperature), m.dclw_sigma, bool(m.dclw_detach), bool(m.dclw_per_process))
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> pos, neg = torch.rand(4, generator=g), torch.rand(4, 16, generator=g)
+        >>> round(dclw_weights(pos, sigma=0.5).mean().item(), 5)
+        1.0
+        >>> same = torch.full((4,), 0.3)
+        >>> torch.allclose(DCLWLoss(0.5, weight_sigma=0.5)(same, neg), DCLLoss(0.5)(same, neg))
+        True
+    """
 
     def __init__(
         self,

@@ -1,5 +1,9 @@
-"""Dual-temperature InfoNCE (Zhang et al., "Dual Temperature Helps Contrastive Learning Without
-Many Negative Samples", CVPR'22; code: ChaoningZhang/Dual-temperature ``dual_temperature_loss_func``).
+"""Dual-temperature InfoNCE, the loss of SimMoCo and SimCo (``pretrain/methods/simco.py``).
+
+Paper: Chaoning Zhang, Kang Zhang, Trung X. Pham, Axi Niu, Zhinan Qiao, Chang D. Yoo, In So Kweon,
+"Dual Temperature Helps Contrastive Learning Without Many Negative Samples: Towards Understanding and
+Simplifying MoCo", CVPR 2022, arXiv:2203.17248 (code: ChaoningZhang/Dual-temperature
+``dual_temperature_loss_func``).
 
 InfoNCE's gradient on the positive logit of anchor i scales with 1 − p_i (the inter-anchor
 hardness); its distribution over the negatives is the intra-anchor hardness. Dual temperature
@@ -21,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .infonce import ContrastiveLoss, _fp32, _no_autocast, positive_number, reduce_loss
+from .infonce import ContrastiveLoss, reduce_loss
+from .precision import fp32, no_autocast
 
 __all__ = ["dual_temperature_weights", "dual_temperature_nce", "DualTemperatureLoss"]
 
@@ -36,8 +41,8 @@ def dual_temperature_weights(
     pos: torch.Tensor, neg: torch.Tensor, temperature: float, inter_temperature: float
 ) -> torch.Tensor:
     """w = (1 − p_τβ)/(1 − p_τα) per anchor, (N,), detached and finite. pos (N,), neg (N, K ≥ 1)."""
-    with _no_autocast(pos):
-        logits = torch.cat([_fp32(pos).unsqueeze(1), _fp32(neg)], dim=1)
+    with no_autocast(pos):
+        logits = torch.cat([fp32(pos).unsqueeze(1), fp32(neg)], dim=1)
         log_w = _log_one_minus_p(logits / inter_temperature) - _log_one_minus_p(logits / temperature)
         return log_w.exp().clamp(max=torch.finfo(log_w.dtype).max)  # inf → the largest finite value
 
@@ -51,24 +56,26 @@ def dual_temperature_nce(
     reduction: "mean" | "sum" | "none".
     """
     w = dual_temperature_weights(pos, neg, temperature, inter_temperature)
-    with _no_autocast(pos):
-        logits = torch.cat([_fp32(pos).unsqueeze(1), _fp32(neg)], dim=1) / temperature
+    with no_autocast(pos):
+        logits = torch.cat([fp32(pos).unsqueeze(1), fp32(neg)], dim=1) / temperature
         loss = w * (torch.logsumexp(logits, dim=1) - logits[:, 0])
     return reduce_loss(loss, reduction)
 
 
 class DualTemperatureLoss(ContrastiveLoss):
-    """Dual-temperature InfoNCE on (pos (N,), neg (N, K)) cosines; τ_α = temperature, τ_β = inter_temperature."""
+    """Dual-temperature InfoNCE on (pos (N,), neg (N, K)) cosines; τ_α = temperature, τ_β = inter_temperature.
 
-    config_keys = {"inter_temperature": 1.0}  # τ_β
+    Example (with τ_β = τ_α the weights are 1 and the loss is InfoNCE)::
 
-    @classmethod
-    def check(cls, m) -> None:
-        positive_number(m, "inter_temperature")
-
-    @classmethod
-    def from_config(cls, m) -> DualTemperatureLoss:
-        return cls(float(m.temperature), float(m.inter_temperature))
+        >>> import torch
+        >>> from pretrain.losses import InfoNCELoss
+        >>> g = torch.Generator().manual_seed(0)
+        >>> pos, neg = torch.rand(4, generator=g), torch.rand(4, 16, generator=g)
+        >>> DualTemperatureLoss(temperature=0.1, inter_temperature=1.0)(pos, neg).shape
+        torch.Size([])
+        >>> torch.allclose(DualTemperatureLoss(0.1, 0.1)(pos, neg), InfoNCELoss(0.1)(pos, neg))
+        True
+    """
 
     def __init__(self, temperature: float, inter_temperature: float) -> None:
         super().__init__()

@@ -1,5 +1,9 @@
-"""AdCo (Hu et al., CVPR'21; code: maple-research-lab/AdCo): MoCo v2 whose queue is replaced by
-K learned negative adversaries that maximize the contrastive loss the network minimizes.
+"""AdCo: MoCo v2 whose queue is replaced by K learned negative adversaries that maximize the
+contrastive loss the network minimizes.
+
+Paper: Qianjiang Hu, Xiao Wang, Wei Hu, Guo-Jun Qi, "AdCo: Adversarial Contrast for Efficient
+Learning of Unsupervised Representations from Self-Trained Negative Adversaries", CVPR 2021,
+arXiv:2011.08435 (code: maple-research-lab/AdCo).
 
 Per step, for N local images (B over all processes), offset = rank·N (the global rank: the
 official code's local-GPU offset is wrong on several nodes):
@@ -30,9 +34,9 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
+from contrastive_transfer.errors import ConfigError
 from pretrain import dist
 from pretrain.augment import build_multicrop_transforms
-from pretrain.config import ConfigError
 from pretrain.diagnostics import contrastive_stats
 from pretrain.losses import (
     AdversarialBank,

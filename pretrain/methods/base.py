@@ -27,9 +27,9 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
+from contrastive_transfer.errors import ConfigError
 from pretrain import dist
 from pretrain.augment import build_view_transforms
-from pretrain.config import ConfigError
 from pretrain.diagnostics import contrastive_stats
 from pretrain.losses import LOSS_CONFIG_KEYS, LOSSES, SAMPLING_MODES, positive_number, sample_negatives
 
@@ -115,7 +115,8 @@ def _yaml(value) -> str:
 
 
 class InfoNCEHost(Method):
-    """A method whose loss is InfoNCE over (positive, negatives), with EqCo as an option."""
+    """A method whose loss contrasts a positive with negatives: InfoNCE (or EqCo) unless ``method.loss``
+    picks another of ``pretrain.losses.LOSSES``."""
 
     @classmethod
     def available_negatives(cls, cfg, num_processes: int) -> int:

@@ -1,4 +1,9 @@
-"""MoCo v1/v2 (He et al., CVPR'20; Chen et al., 2020), optionally with EqCo's margin.
+"""MoCo v1/v2, optionally with EqCo's margin.
+
+Papers: Kaiming He, Haoqi Fan, Yuxin Wu, Saining Xie, Ross Girshick, "Momentum Contrast for
+Unsupervised Visual Representation Learning", CVPR 2020, arXiv:1911.05722 (v1); Xinlei Chen,
+Haoqi Fan, Ross Girshick, Kaiming He, "Improved Baselines with Momentum Contrastive Learning",
+2020, arXiv:2003.04297 (v2).
 
 Per step, for a batch of N images with views x1, x2 (facebookresearch/moco ``builder.py``):
 
@@ -19,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from contrastive_transfer.errors import ConfigError
 from pretrain import dist
-from pretrain.config import ConfigError
 from pretrain.losses import similarities
 from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost, QueryKeyEncoders, check_bn_splits
 from pretrain.models import build_encoder, embed, momentum_copy, momentum_update

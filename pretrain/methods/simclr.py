@@ -1,4 +1,7 @@
-"""SimCLR (Chen et al., ICML'20), optionally with EqCo's margin.
+"""SimCLR, optionally with EqCo's margin.
+
+Paper: Ting Chen, Simon Kornblith, Mohammad Norouzi, Geoffrey Hinton, "A Simple Framework for
+Contrastive Learning of Visual Representations", ICML 2020, arXiv:2002.05709.
 
 Per step, for N local images with views x1, x2 on each of W processes (B = N·W):
 
@@ -16,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from contrastive_transfer.errors import ConfigError
 from pretrain import dist
-from pretrain.config import ConfigError
 from pretrain.losses import nt_xent_similarities
 from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost
 from pretrain.models import build_encoder, embed

@@ -1,5 +1,9 @@
-"""SimMoCo and SimCo (Zhang et al., "Dual Temperature Helps Contrastive Learning Without Many
-Negative Samples", CVPR'22; code: ChaoningZhang/Dual-temperature, solo-learn based).
+"""SimMoCo and SimCo: MoCo v2 without its queue, and without its momentum encoder too.
+
+Paper: Chaoning Zhang, Kang Zhang, Trung X. Pham, Axi Niu, Zhinan Qiao, Chang D. Yoo, In So Kweon,
+"Dual Temperature Helps Contrastive Learning Without Many Negative Samples: Towards Understanding and
+Simplifying MoCo", CVPR 2022, arXiv:2203.17248 (code: ChaoningZhang/Dual-temperature, solo-learn
+based).
 
 Both contrast a query with the *current batch* only (no queue) under the dual-temperature
 InfoNCE (``losses/dual_temperature.py``: τ_α = ``temperature`` 0.1 within an anchor, τ_β =

@@ -1,4 +1,7 @@
-"""SiMo, the EqCo paper's simplified MoCo v2 (Zhu et al., EqCo, §3 and appendix B).
+"""SiMo, the EqCo paper's simplified MoCo v2 (§3 and appendix B).
+
+Paper: Benjin Zhu, Junqiang Huang, Zeming Li, Xiangyu Zhang, Jian Sun, "EqCo: Equivalent Rules for
+Self-supervised Contrastive Learning", 2020, arXiv:2010.01929.
 
 MoCo v2 without a queue: the negatives of a query are the *current batch's* keys from the
 momentum encoder, gathered over processes, with EqCo's margin so that a small batch behaves like

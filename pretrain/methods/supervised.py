@@ -1,5 +1,10 @@
 """Supervised pretraining: the baseline every self-supervised backbone is compared against.
 
+Papers: Kaiming He, Xiangyu Zhang, Shaoqing Ren, Jian Sun, "Deep Residual Learning for Image
+Recognition", CVPR 2016, arXiv:1512.03385 (the ResNet and its labelled ImageNet training); the
+comparison is the MoCo paper's (He et al., "Momentum Contrast for Unsupervised Visual
+Representation Learning", CVPR 2020, arXiv:1911.05722).
+
 The MoCo paper (He et al., CVPR'20, Tables 2–6) sets each self-supervised backbone beside the same
 ResNet trained with labels on the same images, then transfers both. Here the labels are the
 ImageFolder's (class folders of ``data.root``); everything else is the engine's, as for every
@@ -25,7 +30,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import ConfigError
+from contrastive_transfer.errors import ConfigError
 from pretrain.methods.base import Method
 from pretrain.models import build_encoder
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from converters.checkpoint_io import ARCHS, CheckpointError, load_backbone
+from contrastive_transfer.contract import ARCHS
+from converters.checkpoint_io import CheckpointError, load_backbone
 from converters.to_detectron2 import (
     TORCHVISION_PIXEL_MEAN,
     TORCHVISION_PIXEL_STD,

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import ConfigError, load_config
+from contrastive_transfer.errors import ConfigError
+from pretrain.config import load_config
 from pretrain.losses import adversary_gradient
 from pretrain.methods import METHODS
 

@@ -14,8 +14,9 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
+from contrastive_transfer.errors import ConfigError
 from pretrain.augment import build_multicrop_transforms, build_view_transforms
-from pretrain.config import ConfigError, load_config
+from pretrain.config import load_config
 from pretrain.data import ImageDataset
 from pretrain.engine import train
 from pretrain.methods import METHODS

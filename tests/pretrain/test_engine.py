@@ -13,7 +13,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from pretrain.config import ConfigError, load_config
+from contrastive_transfer.errors import ConfigError
+from pretrain.config import load_config
 from pretrain.engine import NonFiniteLossError, train
 from pretrain.models import SplitBatchNorm, build_backbone
 from pretrain.optim import LARS, lr_at

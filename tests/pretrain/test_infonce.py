@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.losses import (
+    EqCoLoss,
     InfoNCELoss,
     eqco_margin,
     in_batch_similarities,
@@ -80,9 +81,9 @@ def test_eqco_with_k_equal_alpha_is_plain_infonce():
     pos, neg = _cosines(8, 32, seed=3)
     assert eqco_margin(0.07, 32, 32) == 0.0
     plain = info_nce(pos, neg, 0.07)
-    torch.testing.assert_close(InfoNCELoss(0.07, alpha=32)(pos, neg), plain)
+    torch.testing.assert_close(EqCoLoss(0.07, alpha=32)(pos, neg), plain)
     # ...and differs for another alpha, so the module really applies the margin.
-    assert not torch.allclose(InfoNCELoss(0.07, alpha=4096)(pos, neg), plain)
+    assert not torch.allclose(EqCoLoss(0.07, alpha=4096)(pos, neg), plain)
 
 
 @pytest.mark.parametrize("bad", [dict(alpha=0, k=4), dict(alpha=-1.0, k=4), dict(alpha=4, k=0)])
@@ -178,7 +179,7 @@ def test_module_uses_sampled_k_in_eqco_margin():
     pos, neg = _cosines(8, 100, seed=6)
     tau, alpha, k = 0.2, 65536, 16
     torch.manual_seed(7)
-    got = InfoNCELoss(tau, alpha=alpha, num_negatives=k, sampling="per_query")(pos, neg)
+    got = EqCoLoss(tau, alpha=alpha, num_negatives=k, sampling="per_query")(pos, neg)
     torch.manual_seed(7)
     sampled = sample_negatives(neg, k, "per_query")
     torch.testing.assert_close(got.double(), _scaled_negative_sum_loss(pos, sampled, tau, alpha), rtol=1e-5, atol=1e-6)
@@ -238,9 +239,7 @@ def test_mi_lower_bound():
     assert math.isclose(mi_lower_bound(3.0, alpha), paper, rel_tol=1e-12)
     assert math.isclose(mi_lower_bound(3.0, k), math.log(k + 1) - 3.0)
     loss = torch.tensor(2.5)
-    assert math.isclose(
-        InfoNCELoss(tau, alpha=alpha).mi_lower_bound(loss).item(), math.log1p(alpha) - 2.5, rel_tol=1e-6
-    )
+    assert math.isclose(EqCoLoss(tau, alpha=alpha).mi_lower_bound(loss).item(), math.log1p(alpha) - 2.5, rel_tol=1e-6)
     assert math.isclose(InfoNCELoss(tau).mi_lower_bound(2.5, k=255), math.log(256) - 2.5)
     with pytest.raises(ValueError, match="needs k"):
         InfoNCELoss(tau).mi_lower_bound(2.5)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from pretrain.config import ConfigError, load_config
+from contrastive_transfer.errors import ConfigError
+from pretrain.config import load_config
 from pretrain.engine import train
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"

@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from pretrain.config import ConfigError, load_config
+from contrastive_transfer.errors import ConfigError
+from pretrain.config import load_config
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.engine import train
-from pretrain.losses.infonce import in_batch_similarities
+from pretrain.losses.similarities import in_batch_similarities
 from pretrain.methods import METHODS
 from pretrain.models import SplitBatchNorm, momentum_update
 from pretrain.optim import LARS

@@ -10,7 +10,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from pretrain.config import ConfigError, load_config
+from contrastive_transfer.errors import ConfigError
+from pretrain.config import load_config
 from pretrain.data import ImageDataset, collate
 from pretrain.engine import train
 from pretrain.methods import METHODS

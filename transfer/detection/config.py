@@ -28,16 +28,11 @@ import yaml
 from detectron2.config import CfgNode, get_cfg
 from yacs.config import CfgNode as _YacsNode
 
-from contrastive_transfer.cli import UserError
+from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import escapes
 from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
 from contrastive_transfer.yaml_limits import check_yaml
 from transfer.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
-
-
-class ConfigError(UserError, ValueError):
-    """Bad config file, key, value or weights file; the message names it."""
-
 
 # key -> how its value changes when the total batch is multiplied by f
 _LINEAR_SCALING = {

@@ -23,7 +23,8 @@ from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write
-from transfer.detection.config import ConfigError, build_config, read_weights
+from contrastive_transfer.errors import ConfigError
+from transfer.detection.config import build_config, read_weights
 from transfer.detection.datasets import check_datasets, register_datasets
 from transfer.detection.trainer import BackboneCheckingCheckpointer, Trainer
 from transfer.features import file_digest
