@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
-from tqdm import tqdm
 
+from contrastive_transfer.progress import progress
 from pretrain.analysis.common import (
     AnalysisError,
     embed,
@@ -107,7 +107,7 @@ def embed_views(
         indices = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_images].sort().values
     z1, z2 = [], []
     loader = DataLoader(Subset(dataset, indices.tolist()), batch_size=batch_size, collate_fn=collate)
-    for (x1, x2), _, _ in tqdm(loader, desc="npc embed", unit="batch", dynamic_ncols=True):
+    for (x1, x2), _, _ in progress(loader, desc="npc embed"):
         z1.append(embed(net, x1))
         z2.append(embed(net, x2))
     return torch.cat(z1), torch.cat(z2), indices
