@@ -2,8 +2,8 @@
 
 tqdm redraws its bar with carriage returns, which a log file keeps: a long run's log became one
 line of hundreds of kilobytes. Into a file or a pipe, ``progress`` prints a whole line (count/total,
-elapsed and remaining time, rate and the postfix metrics) every ~10 % of the total, at least every
-``every`` seconds, and at the end.
+elapsed and remaining time, rate and the postfix metrics) every ~10 % of the total (at most one a
+second), at least every ``every`` seconds, and at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import IO, Any, Iterable, Iterator
 from tqdm import tqdm
 
 LINES_PER_RUN = 10  # lines at evenly spaced counts, besides those ``every`` seconds adds
+MIN_GAP_S = 1.0  # but not for loops done in seconds, whose counts would only add noise
 
 
 def progress(
@@ -76,8 +77,9 @@ class ProgressLines:
     def update(self, n: int = 1) -> None:
         self.n += n
         now = time.monotonic()
-        due = self.stride is not None and self.n - self.shown >= self.stride
-        if due or self.n == self.total or now - self.last >= self.every:
+        waited = now - self.last
+        counted = self.stride is not None and self.n - self.shown >= self.stride and waited >= MIN_GAP_S
+        if counted or waited >= self.every or self.n == self.total:
             self._show(now)
 
     def set_postfix(self, **values: Any) -> None:
