@@ -176,11 +176,9 @@ def read_training_state(path: Path) -> dict:
     return state
 
 
-def load_training_state(
-    path: Path, accelerator, method, optimizer, steps_per_epoch: int, cfg, state: dict | None = None
-) -> int:
-    """Restore everything saved by save_training_state; returns the global step to continue from."""
-    state = read_training_state(path) if state is None else state
+def load_training_state(path: Path, accelerator, method, optimizer, steps_per_epoch: int, cfg, state: dict) -> int:
+    """Restore ``state`` (read from ``path`` by read_training_state); returns the global step to
+    continue from."""
     if state.get("steps_per_epoch") != steps_per_epoch:
         raise ResumeError(
             f"checkpoint {path} was written with {state.get('steps_per_epoch')} steps per epoch, "
@@ -218,6 +216,16 @@ def resume_candidates(cfg) -> list[Path]:
             f"train.resume={choice!r}: no such checkpoint; give the path of a checkpoint_last.pth, or auto/none"
         )
     return [Path(choice)]
+
+
+def last_good(out: Path) -> str:
+    """The sentence a stopped run ends its error with: which checkpoint of ``out`` a resume uses."""
+    good = [p for p in (out / LAST_NAME, out / PREV_NAME) if p.is_file()]
+    return (
+        f"Last good checkpoint: {good[0]}; train.resume=auto continues from it."
+        if good
+        else "No checkpoint was written yet."
+    )
 
 
 def choose_resume(cfg, log=print) -> tuple[Path, dict] | None:

@@ -1,5 +1,6 @@
 """The pretraining loop: method-agnostic, read top to bottom (DINO style).
 
+``train`` sets up, resumes and loops over ``train_one_epoch``, which loops over ``train_one_step``.
 Accelerate handles devices, DDP and autocast; everything stateful that a resume needs is either
 inside the method's state_dict or saved by ``pretrain.checkpoint``. The data order and the
 augmentations are functions of (seed, epoch, index), and the lr of the global step, so a resumed
@@ -12,24 +13,27 @@ import json
 import socket
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import IO, Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
-from tqdm import tqdm
+from torch.utils.data import DataLoader
 
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove_stale_temporaries
+from contrastive_transfer.progress import progress
 from pretrain import dist
 from pretrain.checkpoint import (
     FINAL_NAME,
     LAST_NAME,
-    PREV_NAME,
     ResumeError,
     choose_resume,
     export_final,
     git_sha,
+    last_good,
     load_training_state,
     read_training_state,
     save_training_state,
@@ -55,7 +59,7 @@ class NonFiniteLossError(UserError):
     """The loss, or the parameters after a step, stopped being finite; nothing was saved."""
 
 
-def claim_output_dir(out: Path, main: bool, device) -> OutputLock | None:
+def claim_output_dir(out: Path, main: bool) -> OutputLock | None:
     """The main process locks the output directory for the whole run (a second run into it stops
     at once, naming the holder); every process learns the outcome, so all stop together."""
     lock, error = None, None
@@ -97,30 +101,24 @@ def parameters_usable(method: torch.nn.Module) -> torch.Tensor:
 def resume(cfg, accelerator, method, optimizer, steps_per_epoch: int) -> int:
     """Continue from the checkpoint rank 0 chooses (see ``choose_resume``); 0 for a fresh start.
 
-    Every process loads the same file and must reach the same step. A process that cannot see the
-    file (machines with their own disks) makes all of them stop with one line, instead of starting
-    from scratch beside the others and diverging."""
-    choice, error = None, None
+    Every process loads the same file and must reach the same step."""
+    choice, state, error = None, None, None
     if accelerator.is_main_process:
         try:
             found = choose_resume(cfg, log=accelerator.print)
-            choice = None if found is None else str(found[0])
         except ResumeError as e:
             error = str(e)
+        else:
+            choice, state = (None, None) if found is None else (str(found[0]), found[1])
     choice, error = dist.decided_by_rank0((choice, error))
     if error:
         raise ResumeError(error)
     if choice is None:
         return 0
     path = Path(choice)
-    visible = dist.gather_objects((path.is_file(), socket.gethostname()))
-    missing = [f"process {r} on {host}" for r, (seen, host) in enumerate(visible) if not seen]
-    if missing:
-        raise ResumeError(
-            f"{path} is not visible to {', '.join(missing)}: resuming needs train.output_dir on a "
-            "filesystem shared by all machines (or the same checkpoint copied to each)"
-        )
-    step = load_training_state(path, accelerator, method, optimizer, steps_per_epoch, cfg, read_training_state(path))
+    check_visible_to_all(path)
+    state = read_training_state(path) if state is None else state  # rank 0 read it while choosing
+    step = load_training_state(path, accelerator, method, optimizer, steps_per_epoch, cfg, state)
     steps = dist.gather_objects(step)
     if len(set(steps)) > 1:
         raise ResumeError(
@@ -129,6 +127,18 @@ def resume(cfg, accelerator, method, optimizer, steps_per_epoch: int) -> int:
         )
     accelerator.print(f"resumed from {path} at step {step}")
     return step
+
+
+def check_visible_to_all(path: Path) -> None:
+    """A process that cannot see the checkpoint (machines with their own disks) makes all of them
+    stop with one line, instead of starting from scratch beside the others and diverging."""
+    visible = dist.gather_objects((path.is_file(), socket.gethostname()))
+    missing = [f"process {r} on {host}" for r, (seen, host) in enumerate(visible) if not seen]
+    if missing:
+        raise ResumeError(
+            f"{path} is not visible to {', '.join(missing)}: resuming needs train.output_dir on a "
+            "filesystem shared by all machines (or the same checkpoint copied to each)"
+        )
 
 
 @dataclass(frozen=True)
@@ -166,34 +176,70 @@ def gpu_settings(cfg, method: torch.nn.Module, device: torch.device) -> SpeedSet
     return speed
 
 
+@dataclass
+class Run:
+    """What the loop reads, built once by ``setup``."""
+
+    cfg: Any
+    accelerator: Accelerator
+    model: torch.nn.Module  # what the step calls: the method, wrapped for DDP when there are several processes
+    method: torch.nn.Module  # the method itself: its state, hooks and backbone
+    optimizer: torch.optim.Optimizer
+    loader: DataLoader
+    speed: SpeedSettings
+    n_local: int  # images per process and step
+    steps_per_epoch: int
+    last_step: int
+    bad_images: BadImageTracker
+    metrics: IO[str] | None = None  # metrics.jsonl on the main process, opened once the resume trimmed it
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.train.output_dir)
+
+
 def train(cfg, accelerator: Accelerator) -> Path:
     """Pretrain as configured; returns the path of ``checkpoint_final.pth``. The output directory
     is this run's alone until it returns or fails."""
-    lock = claim_output_dir(Path(cfg.train.output_dir), accelerator.is_main_process, accelerator.device)
+    lock = claim_output_dir(Path(cfg.train.output_dir), accelerator.is_main_process)
     try:
-        return _train(cfg, accelerator)
+        run = setup(cfg, accelerator)
+        step = resume(cfg, accelerator, run.method, run.optimizer, run.steps_per_epoch)
+        if accelerator.is_main_process:
+            trim_metrics(run.out / "metrics.jsonl", step)
+            run.metrics = open(run.out / "metrics.jsonl", "a")
+        accelerator.init_trackers("pretrain")
+        bar = progress(
+            total=run.last_step,
+            initial=step,
+            desc=f"{cfg.method.name} pretrain",
+            unit="step",
+            disable=not accelerator.is_local_main_process,
+        )
+        waited, loop_start = 0.0, time.perf_counter()
+        while step < run.last_step:
+            step, epoch_waited = train_one_epoch(run, step, bar)
+            waited += epoch_waited
+            end_of_epoch(run, step, bar)
+        bar.close()
+        wall = time.perf_counter() - loop_start
+        accelerator.print(
+            f"waited for data {waited:.1f} s of {wall:.1f} s of training "
+            f"({waited / max(wall, 1e-9):.1%} of the wall time)"
+        )
+        return finish(run, step)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg, accelerator: Accelerator) -> Path:
-    # ------------------------------------------------------------------ setup
-    out = Path(cfg.train.output_dir)
-    n_proc, main = accelerator.num_processes, accelerator.is_main_process
+def setup(cfg, accelerator: Accelerator) -> Run:
+    n_proc = accelerator.num_processes
     n_local = per_process_batch(cfg, n_proc)
-    if main:
-        atomic_write(out / "config.yaml", lambda tmp: tmp.write_text(OmegaConf.to_yaml(cfg)))
-        accelerator.print(OmegaConf.to_yaml(cfg))
-        accelerator.print(
-            f"git {git_sha()} | {n_proc} process(es) on {accelerator.device} | batch "
-            f"{cfg.train.batch_size} global = {n_local} per process | lr {scaled_lr(cfg):.4g} "
-            f"(optim.lr {cfg.optim.lr} at batch {cfg.optim.reference_batch}, "
-            f"{cfg.optim.lr_scaling} scaling) | mixed precision {accelerator.mixed_precision}"
-        )
+    if accelerator.is_main_process:
+        describe(cfg, accelerator, n_local)
     set_seed(cfg.train.seed)  # identical initial weights and queues on every rank
 
-    # ------------------------------------------------------------------ method and optimizer
     method = METHODS[cfg.method.name](cfg, n_proc)
     if method.sync_bn and n_proc > 1:  # SyncBN needs a process group: never in one process
         method = convert_sync_batchnorm(method, accelerator.device)
@@ -203,8 +249,41 @@ def _train(cfg, accelerator: Accelerator) -> Path:
         f"compiled encoders {speed.compiled}"
     )
     optimizer = build_optimizer(method, cfg)
+    loader = build_data(cfg, accelerator, method, n_local)
+    steps_per_epoch = loader.sampler.batches_per_epoch
+    last_step = cfg.train.epochs * steps_per_epoch
+    if cfg.train.max_steps is not None:
+        last_step = min(last_step, cfg.train.max_steps)
 
-    # ------------------------------------------------------------------ data
+    model, optimizer = accelerator.prepare(method, optimizer)
+    return Run(
+        cfg,
+        accelerator,
+        model,
+        accelerator.unwrap_model(model),
+        optimizer,
+        loader,
+        speed,
+        n_local,
+        steps_per_epoch,
+        last_step,
+        BadImageTracker(cfg.data.max_bad_fraction),
+    )
+
+
+def describe(cfg, accelerator: Accelerator, n_local: int) -> None:
+    """config.yaml, and the config and setup printed: a log says what ran."""
+    atomic_write(Path(cfg.train.output_dir) / "config.yaml", lambda tmp: tmp.write_text(OmegaConf.to_yaml(cfg)))
+    accelerator.print(OmegaConf.to_yaml(cfg))
+    accelerator.print(
+        f"git {git_sha()} | {accelerator.num_processes} process(es) on {accelerator.device} | batch "
+        f"{cfg.train.batch_size} global = {n_local} per process | lr {scaled_lr(cfg):.4g} "
+        f"(optim.lr {cfg.optim.lr} at batch {cfg.optim.reference_batch}, "
+        f"{cfg.optim.lr_scaling} scaling) | mixed precision {accelerator.mixed_precision}"
+    )
+
+
+def build_data(cfg, accelerator: Accelerator, method, n_local: int) -> DataLoader:
     views = method.view_transforms(cfg)  # two views of data.augmentation, or the method's own (multi-crop)
     device = accelerator.device
     colour_on_device = device.type == "cuda" if cfg.data.colour_on_device is None else cfg.data.colour_on_device
@@ -212,172 +291,172 @@ def _train(cfg, accelerator: Accelerator) -> Path:
         cfg.data.root, views, seed=cfg.train.seed, colour_on_device=colour_on_device, backend=cfg.data.backend
     )
     method.check_classes(dataset.classes, cfg.data.root)
-    loader = build_loader(
+    return build_loader(
         dataset,
         n_local,
-        n_proc,
+        accelerator.num_processes,
         accelerator.process_index,
         cfg.train.seed,
         cfg.data.num_workers,
-        cfg.data.pin_memory and accelerator.device.type == "cuda",
+        cfg.data.pin_memory and device.type == "cuda",
     )
-    steps_per_epoch = loader.sampler.batches_per_epoch
-    last_step = cfg.train.epochs * steps_per_epoch
-    if cfg.train.max_steps is not None:
-        last_step = min(last_step, cfg.train.max_steps)
 
-    model, optimizer = accelerator.prepare(method, optimizer)
-    method = accelerator.unwrap_model(model)
 
-    # ------------------------------------------------------------------ resume
-    step = resume(cfg, accelerator, method, optimizer, steps_per_epoch)
-    last_path = out / LAST_NAME
-    if main:
-        trim_metrics(out / "metrics.jsonl", step)
+def to_device(run: Run, batch):
+    """(views, labels, bad paths) -> (views and labels on the device, bad paths)."""
+    device = run.accelerator.device
+    images = finish_views(batch[0], run.loader.dataset.views, device, run.speed.memory_format)
+    return images, batch[1].to(device, non_blocking=True), batch[2]
 
-    def save(at_step: int) -> None:
-        # Never write a state that cannot be continued: checked on every process, agreed in one
-        # reduction, so all of them stop together and nothing is written.
-        if not dist.start_all_ranks_true(parameters_usable(method).unsqueeze(0)).wait()[0]:
-            raise NonFiniteLossError(
-                f"the parameters after step {at_step} are not finite (or too large to square in fp32); stopped "
-                f"without saving. {last_good()} Lower optim.lr, or use train.mixed_precision=bf16/no"
-            )
-        save_training_state(last_path, accelerator, method, optimizer, at_step, steps_per_epoch, cfg)
 
-    def last_good() -> str:
-        good = [p for p in (last_path, out / PREV_NAME) if p.is_file()]
-        return (
-            f"Last good checkpoint: {good[0]}; train.resume=auto continues from it."
-            if good
-            else "No checkpoint was written yet."
-        )
-
-    # ------------------------------------------------------------------ loop
-    bad_images = BadImageTracker(cfg.data.max_bad_fraction)
-    metrics = open(out / "metrics.jsonl", "a") if main else None
-    accelerator.init_trackers("pretrain")
-    bar = tqdm(
-        total=last_step,
-        initial=step,
-        desc=f"{cfg.method.name} pretrain",
-        unit="step",
-        disable=not accelerator.is_local_main_process,
-        dynamic_ncols=True,
-    )
+def train_one_epoch(run: Run, step: int, bar) -> tuple[int, float]:
+    """From global ``step`` to the end of its epoch, or to the run's last step; returns the step
+    reached and the seconds spent waiting for data."""
+    set_loader_epoch(run.loader, *divmod(step, run.steps_per_epoch))
     # data_time: how long each step waited for its batch; step_time: the rest of the step up to its
     # metrics row (checkpoint included), so the two add up to the wall time between rows.
-    waited, loop_start = 0.0, time.perf_counter()
-    while step < last_step:
-        epoch, start_batch = divmod(step, steps_per_epoch)
-        set_loader_epoch(loader, epoch, start_batch)
+    waited, t0 = 0.0, time.perf_counter()
+    for images, labels, bad in prefetch(run.loader, partial(to_device, run)):
+        t_batch = time.perf_counter()
+        waited += t_batch - t0
+        run.bad_images.update(bad, run.n_local)
+        row = train_one_step(run, step, images, labels, data_time=t_batch - t0)
+        step += 1
+        if row is not None:
+            t_step = time.perf_counter() - t_batch  # after .item(): the device finished the step
+            row.update(step_time=t_step, time=time.time())  # time: wall clock (s since the epoch)
+            log_row(run, row)
+            bar.set_postfix(
+                loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.3g}", data=f"{row['data_time']:.3f}s", step=f"{t_step:.3f}s"
+            )
+        bar.update(1)
+        if step == run.last_step:
+            break
         t0 = time.perf_counter()
+    return step, waited
 
-        def to_device(batch):  # (views, labels, bad paths) -> (views and labels on the device, bad paths)
-            images = finish_views(batch[0], dataset.views, device, speed.memory_format)
-            return images, batch[1].to(device, non_blocking=True), batch[2]
 
-        for images, labels, bad in prefetch(loader, to_device):
-            t_batch = time.perf_counter()
-            t_data = t_batch - t0
-            waited += t_data
-            bad_images.update(bad, n_local)
-            lr = lr_at(cfg, step, steps_per_epoch)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            diagnose = (step + 1) % cfg.train.diagnostics_every == 0
-            method.watch_grad = diagnose
+def train_one_step(run: Run, step: int, images, labels, data_time: float) -> dict | None:
+    """Global step ``step + 1``, and its checkpoint when one is due; returns its metrics row when
+    the step is one that logs (else None)."""
+    cfg, method, optimizer = run.cfg, run.method, run.optimizer
+    lr = lr_at(cfg, step, run.steps_per_epoch)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    diagnose = (step + 1) % cfg.train.diagnostics_every == 0
+    method.watch_grad = diagnose
 
-            output = model(images, labels) if method.needs_labels else model(images)
-            loss = output["loss"]
-            # Both stop conditions in one reduction that travels during the backward; read just
-            # before the step, so the step never applies a non-finite update and all ranks stop together.
-            flags = torch.stack(
-                [torch.isfinite(loss.detach()).all(), torch.tensor(not bad_images.exceeded, device=loss.device)]
-            )
-            verdict = dist.start_all_ranks_true(flags)
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            finite, images_ok = verdict.wait()
-            if not images_ok:
-                bad_images.check()  # raises naming this process's unreadable files
-                raise UnreadableImagesError(
-                    "unreadable images above data.max_bad_fraction on another process "
-                    "(see its error for the file names)"
-                )
-            if not finite:
-                raise NonFiniteLossError(
-                    f"non-finite loss ({loss.item()}) at step {step} (epoch {epoch}); stopped without saving. "
-                    f"{last_good()} Lower optim.lr, or use train.mixed_precision=bf16/no"
-                )
-            optimizer.step()
-            method.after_step(skipped=accelerator.optimizer_step_was_skipped)  # e.g. AdCo's ascent
-            step += 1
-            if step % cfg.train.checkpoint_every == 0 or step == last_step:
-                save(step)
+    output = run.model(images, labels) if method.needs_labels else run.model(images)
+    loss = output["loss"]
+    # Both stop conditions in one reduction that travels during the backward; read just before
+    # the step, so the step never applies a non-finite update and all ranks stop together.
+    flags = torch.stack(
+        [torch.isfinite(loss.detach()).all(), torch.tensor(not run.bad_images.exceeded, device=loss.device)]
+    )
+    verdict = dist.start_all_ranks_true(flags)
+    optimizer.zero_grad(set_to_none=True)
+    run.accelerator.backward(loss)
+    finite, images_ok = verdict.wait()
+    if not images_ok:
+        run.bad_images.check()  # raises naming this process's unreadable files
+        raise UnreadableImagesError(
+            "unreadable images above data.max_bad_fraction on another process (see its error for the file names)"
+        )
+    if not finite:
+        raise NonFiniteLossError(
+            f"non-finite loss ({loss.item()}) at step {step} (epoch {step // run.steps_per_epoch}); stopped "
+            f"without saving. {last_good(run.out)} Lower optim.lr, or use train.mixed_precision=bf16/no"
+        )
+    optimizer.step()
+    method.after_step(skipped=run.accelerator.optimizer_step_was_skipped)  # e.g. AdCo's ascent
 
-            if step % cfg.train.log_every == 0 or diagnose or step == last_step:
-                row = {"step": step, "epoch": step / steps_per_epoch, "lr": lr, "data_time": t_data}
-                row.update({k: accelerator.reduce(v.detach().float(), "mean").item() for k, v in output.items()})
-                if diagnose:
-                    scaler = accelerator.scaler  # fp16: the retained gradient carries the loss scale
-                    row.update(grad_norm_stats(method.watched, scaler.get_scale() if scaler else 1.0))
-                    method.watched = None
-                t_step = time.perf_counter() - t_batch  # after .item(): the device finished the step
-                row.update(step_time=t_step, time=time.time())  # time: wall clock (s since the epoch)
-                accelerator.log(row, step=step)
-                if metrics:
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
-                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.3g}", data=f"{t_data:.3f}s", step=f"{t_step:.3f}s")
-            bar.update(1)
-            if step == last_step:
-                break
-            t0 = time.perf_counter()
+    step += 1
+    if step % cfg.train.checkpoint_every == 0 or step == run.last_step:
+        save_checkpoint(run, step)
+    if step % cfg.train.log_every == 0 or diagnose or step == run.last_step:
+        return metrics_row(run, step, lr, data_time, output, diagnose)
+    return None
 
-        epoch_done = step % steps_per_epoch == 0
-        if epoch_done and step != last_step:
-            save(step)
-        if epoch_done and cfg.knn.train_dir and (step // steps_per_epoch) % cfg.knn.every_epochs == 0:
-            # Every process extracts its share of the images (with workers and autocast) and votes
-            # on its device, so no process waits in a barrier while one does all the work.
-            acc = knn_accuracy(
-                method.backbone,
-                cfg.knn.train_dir,
-                cfg.knn.val_dir,
-                cfg.data.image_size,
-                accelerator.device,
-                cfg.knn.k,
-                cfg.knn.temperature,
-                workers=cfg.data.num_workers,
-                autocast=accelerator.autocast,
-            )
-            if main:
-                row = {"step": step, "epoch": step / steps_per_epoch, "knn_top1": acc}
-                accelerator.log(row, step=step)
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                bar.write(f"epoch {step // steps_per_epoch}: kNN top-1 {acc:.2f}%")
-    bar.close()
-    wall = time.perf_counter() - loop_start
-    accelerator.print(
-        f"waited for data {waited:.1f} s of {wall:.1f} s of training ({waited / max(wall, 1e-9):.1%} of the wall time)"
+
+def metrics_row(run: Run, step: int, lr: float, data_time: float, output: dict, diagnose: bool) -> dict:
+    """The step's outputs averaged over the processes, and the gradient norms when diagnosed."""
+    row = {"step": step, "epoch": step / run.steps_per_epoch, "lr": lr, "data_time": data_time}
+    row.update({k: run.accelerator.reduce(v.detach().float(), "mean").item() for k, v in output.items()})
+    if diagnose:
+        scaler = run.accelerator.scaler  # fp16: the retained gradient carries the loss scale
+        row.update(grad_norm_stats(run.method.watched, scaler.get_scale() if scaler else 1.0))
+        run.method.watched = None
+    return row
+
+
+def log_row(run: Run, row: dict) -> None:
+    run.accelerator.log(row, step=row["step"])
+    if run.metrics:
+        run.metrics.write(json.dumps(row) + "\n")
+        run.metrics.flush()
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """``checkpoint_last.pth`` at ``step`` (called on every process)."""
+    # Never write a state that cannot be continued: checked on every process, agreed in one
+    # reduction, so all of them stop together and nothing is written.
+    if not dist.start_all_ranks_true(parameters_usable(run.method).unsqueeze(0)).wait()[0]:
+        raise NonFiniteLossError(
+            f"the parameters after step {step} are not finite (or too large to square in fp32); stopped "
+            f"without saving. {last_good(run.out)} Lower optim.lr, or use train.mixed_precision=bf16/no"
+        )
+    save_training_state(
+        run.out / LAST_NAME, run.accelerator, run.method, run.optimizer, step, run.steps_per_epoch, run.cfg
     )
 
-    # ------------------------------------------------------------------ export
-    final = out / FINAL_NAME
-    skipped = sorted({path for paths in dist.gather_objects(bad_images.bad) for path in paths})
-    if main:
-        export_final(final, method, cfg, step)
-        if metrics:
-            metrics.close()
+
+def end_of_epoch(run: Run, step: int, bar) -> None:
+    """A checkpoint (unless the last step just wrote one) and the kNN monitor when it is due;
+    nothing when the run stopped inside an epoch."""
+    epoch, into_epoch = divmod(step, run.steps_per_epoch)
+    if into_epoch:
+        return
+    if step != run.last_step:
+        save_checkpoint(run, step)
+    if run.cfg.knn.train_dir and epoch % run.cfg.knn.every_epochs == 0:
+        knn_monitor(run, step, bar)
+
+
+def knn_monitor(run: Run, step: int, bar) -> None:
+    # Every process extracts its share of the images (with workers and autocast) and votes on its
+    # device, so no process waits in a barrier while one does all the work.
+    cfg = run.cfg
+    acc = knn_accuracy(
+        run.method.backbone,
+        cfg.knn.train_dir,
+        cfg.knn.val_dir,
+        cfg.data.image_size,
+        run.accelerator.device,
+        cfg.knn.k,
+        cfg.knn.temperature,
+        workers=cfg.data.num_workers,
+        autocast=run.accelerator.autocast,
+    )
+    if run.accelerator.is_main_process:
+        log_row(run, {"step": step, "epoch": step / run.steps_per_epoch, "knn_top1": acc})
+        bar.write(f"epoch {step // run.steps_per_epoch}: kNN top-1 {acc:.2f}%")
+
+
+def finish(run: Run, step: int) -> Path:
+    """Export ``checkpoint_final.pth`` and list the unreadable images that were skipped."""
+    final = run.out / FINAL_NAME
+    skipped = sorted({path for paths in dist.gather_objects(run.bad_images.bad) for path in paths})
+    if run.accelerator.is_main_process:
+        export_final(final, run.method, run.cfg, step)
+        if run.metrics:
+            run.metrics.close()
         if skipped:  # skip mode: say which files were replaced by their next readable neighbour
-            listing = out / "unreadable_images.txt"
+            listing = run.out / "unreadable_images.txt"
             atomic_write(listing, lambda tmp: tmp.write_text("".join(f"{path}\n" for path in skipped)))
-            accelerator.print(
+            run.accelerator.print(
                 f"skipped {len(skipped)} unreadable images, e.g. {', '.join(skipped[:3])}; all of them in {listing}"
             )
-        accelerator.print(f"{bad_images.summary()}\nwrote {final}")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+        run.accelerator.print(f"{run.bad_images.summary()}\nwrote {final}")
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()
     return final

@@ -14,16 +14,14 @@ import collections
 import contextlib
 import logging
 import re
-import sys
-import time
 import warnings
-from typing import Iterable, Iterator, TypeVar
+from typing import Iterable
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError
+from contrastive_transfer.progress import progress  # noqa: F401  (the evaluators' progress, re-exported)
 from converters.layouts import LAYOUTS
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # The protocols' sizes for ImageNet-scale backbones: shorter side 256, 224 crop.
 PROTOCOL_RESIZE, PROTOCOL_CROP = 256, 224
@@ -147,27 +145,6 @@ def add_loader_args(parser: argparse.ArgumentParser, batch_size: int | None, wor
         help="images per batch" + (" (default: the preset's)" if batch_size is None else ""),
     )
     parser.add_argument("--workers", type=int, default=workers, help="data loading processes")
-
-
-def progress(items: Iterable[T], total: int, desc: str, unit: str = "batch", every: float = 30.0) -> Iterator[T]:
-    """Iterate with a progress bar on a terminal; elsewhere (a log file, CI) a plain line at most
-    every ``every`` seconds and at the end, so a log shows the work advancing."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        yield from tqdm(items, total=total, desc=desc, unit=unit, leave=True)
-        return
-    start = last = time.monotonic()
-    done = 0
-    for item in items:
-        yield item
-        done += 1
-        now = time.monotonic()
-        if now - last >= every or done == total:
-            last = now
-            logger.info(
-                "%s: %d/%d %s%s (%.0f s)", desc, done, total, unit, "es" if unit.endswith("ch") else "s", now - start
-            )
 
 
 # Messages that repeat with different numbers collapse into one entry of the summary.

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from contrastive_transfer.progress import progress
 from contrastive_transfer.synthetic.shapes import (
     SCENE_LAYOUTS,
     SHAPE_NAMES,
@@ -289,11 +289,10 @@ def _run(job: tuple):
 
 def _render_all(jobs: list[tuple], desc: str, workers: int) -> list:
     """Render jobs (in parallel when workers > 1) in order, with a progress bar."""
-    bar = dict(desc=desc, total=len(jobs), unit="img", leave=False, disable=None)
     if workers <= 1:
-        return [_run(j) for j in tqdm(jobs, **bar)]
+        return [_run(j) for j in progress(jobs, len(jobs), desc, unit="img")]
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        return list(tqdm(pool.map(_run, jobs, chunksize=8), **bar))
+        return list(progress(pool.map(_run, jobs, chunksize=8), len(jobs), desc, unit="img"))
 
 
 # ----------------------------------------------------------------------------------- writers

@@ -28,12 +28,13 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
-from tqdm import tqdm
 
+from contrastive_transfer.progress import progress
 from pretrain.analysis.common import AnalysisError, pyplot, save_figure, write_csv, write_json
 from pretrain.losses import eqco_margin, info_nce, mi_lower_bound
 
@@ -126,8 +127,8 @@ def batch_losses(critics: StackedCritics, x: torch.Tensor, y: torch.Tensor, marg
     return per_anchor.view(m, k).mean(dim=1)
 
 
-def run_k(cfg: ToyConfig, k: int, progress: tqdm | None = None) -> list[dict]:
-    """Train and evaluate every (true MI, loss) critic at K pairs per batch."""
+def run_k(cfg: ToyConfig, k: int, advance: Callable[[int], object] | None = None) -> list[dict]:
+    """Train and evaluate every (true MI, loss) critic at K pairs per batch; ``advance(1)`` after each step."""
     grid = [(mi, loss) for mi in cfg.true_mi for loss in LOSSES]
     device = torch.device(cfg.device)
     rho = torch.tensor([correlation(mi, cfg.dim) for mi, _ in grid], device=device)
@@ -143,8 +144,8 @@ def run_k(cfg: ToyConfig, k: int, progress: tqdm | None = None) -> list[dict]:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if progress is not None:
-            progress.update(1)
+        if advance is not None:
+            advance(1)
     with torch.no_grad():
         total = torch.zeros(len(grid), dtype=torch.float64, device=device)
         for _ in range(cfg.eval_batches):
@@ -235,10 +236,10 @@ def run(cfg: ToyConfig, out_dir: Path) -> dict:
         )
     start = time.perf_counter()
     rows = []
-    with tqdm(total=cfg.steps * len(cfg.ks), desc="mi-toy", unit="step", dynamic_ncols=True) as bar:
+    with progress(total=cfg.steps * len(cfg.ks), desc="mi-toy", unit="step") as bar:
         for k in cfg.ks:
             bar.set_postfix(K=k)
-            rows.extend(run_k(cfg, k, bar))
+            rows.extend(run_k(cfg, k, bar.update))
     summary = {
         "config": asdict(cfg),
         "spread_across_k": spread_across_k(rows),

@@ -25,13 +25,14 @@ npc.png (mean and C_v vs B; histograms).
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
-from tqdm import tqdm
 
+from contrastive_transfer.progress import progress
 from pretrain.analysis.common import (
     AnalysisError,
     embed,
@@ -107,7 +108,7 @@ def embed_views(
         indices = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_images].sort().values
     z1, z2 = [], []
     loader = DataLoader(Subset(dataset, indices.tolist()), batch_size=batch_size, collate_fn=collate)
-    for (x1, x2), _, _ in tqdm(loader, desc="npc embed", unit="batch", dynamic_ncols=True):
+    for (x1, x2), _, _ in progress(loader, desc="npc embed"):
         z1.append(embed(net, x1))
         z2.append(embed(net, x2))
     return torch.cat(z1), torch.cat(z2), indices
@@ -169,6 +170,27 @@ def plot(stats: list[dict], values: dict[int, torch.Tensor], path: Path, title: 
     return save_figure(fig, path)
 
 
+def setting_or_config(value, dotted: str, flag: str, default=None, *, cfg: dict, checkpoint: Path):
+    """``value`` if given, else the checkpoint config's ``dotted``, else ``default``."""
+    if value is not None:
+        return value
+    found = OmegaConf.select(OmegaConf.create(cfg), dotted) if cfg else None
+    if found is None and default is None:
+        raise AnalysisError(f"{checkpoint} has no {dotted} in its config: pass {flag}")
+    return found if found is not None else default
+
+
+def npc_tables(results: dict, image_index: torch.Tensor) -> tuple[list[dict], list[dict]]:
+    """The rows of npc.csv (one per batch size) and of npc_values.csv (one per anchor)."""
+    stats, per_anchor = [], []
+    for b, (batches, q) in results.items():
+        stats.append({"batch_size": b, "batches": batches.shape[0], "anchors": q.numel(), **summarize(q)})
+        for j, (idx, qb) in enumerate(zip(image_index[batches].tolist(), q.tolist())):
+            for a, value in enumerate(qb):  # anchors: view 1 of idx[0..B-1], then view 2
+                per_anchor.append({"batch_size": b, "batch": j, "image": idx[a % b], "view": 1 + a // b, "q": value})
+    return stats, per_anchor
+
+
 def run(
     checkpoint: Path,
     out_dir: Path | None = None,
@@ -183,16 +205,7 @@ def run(
     checkpoint = Path(checkpoint)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "analysis"
     net, cfg, kind = load_embedder(checkpoint)
-    cfg = cfg or {}
-
-    def setting(value, dotted: str, flag: str, default=None):
-        if value is not None:
-            return value
-        found = OmegaConf.select(OmegaConf.create(cfg), dotted) if cfg else None
-        if found is None and default is None:
-            raise AnalysisError(f"{checkpoint} has no {dotted} in its config: pass {flag}")
-        return found if found is not None else default
-
+    setting = partial(setting_or_config, cfg=cfg or {}, checkpoint=checkpoint)
     temperature = float(setting(temperature, "method.temperature", "--temperature"))
     augmentation = setting(augmentation, "data.augmentation", "--augmentation", "simclr")
     image_size = int(setting(image_size, "data.image_size", "--image-size", 224))
@@ -210,12 +223,7 @@ def run(
     skipped = sorted(set(batch_sizes) - set(usable))
     results = npc_by_batch_size(z1, z2, usable, temperature, seed)
 
-    stats, per_anchor = [], []
-    for b, (batches, q) in results.items():
-        stats.append({"batch_size": b, "batches": batches.shape[0], "anchors": q.numel(), **summarize(q)})
-        for j, (idx, qb) in enumerate(zip(image_index[batches].tolist(), q.tolist())):
-            for a, value in enumerate(qb):  # anchors: view 1 of idx[0..B-1], then view 2
-                per_anchor.append({"batch_size": b, "batch": j, "image": idx[a % b], "view": 1 + a // b, "q": value})
+    stats, per_anchor = npc_tables(results, image_index)
     columns = ["batch_size", "batches", "anchors", "mean", "std", "cv", "p05", "p50", "p95"]
     write_csv(out_dir / "npc.csv", columns, stats)
     write_csv(out_dir / "npc_values.csv", ["batch_size", "batch", "image", "view", "q"], per_anchor)

@@ -88,6 +88,20 @@ def test_unreadable_last_checkpoint_falls_back_to_the_previous_one(synthetic_roo
     assert str(last) in message and PREV_NAME in message and "no readable checkpoint" in message
 
 
+def test_one_process_reads_the_resume_checkpoint_once(tmp_path, monkeypatch):
+    from unittest import mock
+
+    from pretrain import checkpoint, engine
+
+    torch.save({"method": {}, "optimizer": {}, "step": 7}, tmp_path / LAST_NAME)
+    reads, real_load = [], checkpoint.torch_load
+    monkeypatch.setattr(checkpoint, "torch_load", lambda path, *a: reads.append(path) or real_load(path, *a))
+    monkeypatch.setattr(engine, "load_training_state", lambda *a: a[-1]["step"])  # the state it was given
+    cfg = OmegaConf.create({"train": {"resume": "auto", "output_dir": str(tmp_path)}})
+    assert engine.resume(cfg, mock.Mock(is_main_process=True), None, None, 10) == 7
+    assert reads == [tmp_path / LAST_NAME]
+
+
 def test_a_second_run_into_a_live_output_directory_is_refused(synthetic_root, tmp_path):
     out = tmp_path / "shared"
     out.mkdir()

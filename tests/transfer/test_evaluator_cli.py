@@ -189,11 +189,10 @@ def test_unwritable_output_fails_before_any_feature_is_extracted(
 # ------------------------------------------------------------------------- progress and warnings
 
 
-def test_progress_prints_lines_when_not_a_terminal(caplog):
-    caplog.set_level(logging.INFO)
+def test_progress_prints_lines_when_not_a_terminal(capsys):
     assert list(eval_cli.progress(range(3), 3, "features", every=0.0)) == [0, 1, 2]
-    lines = [r.getMessage() for r in caplog.records]
-    assert [line.split(" (")[0] for line in lines] == [f"features: {i}/3 batches" for i in (1, 2, 3)]
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" [")[0] for line in lines] == [f"features: {i}/3" for i in (1, 2, 3)]
 
 
 def test_repeated_warnings_are_summarised_once(caplog):
