@@ -382,8 +382,7 @@ def write_report(args, budget: Budget, failed: dict[str, str]) -> Path:
     lines = [
         f"# Demo report: {args.recipe} on the synthetic `{args.preset}` data (CPU)",
         "",
-        f"Pretraining: `configs/pretrain/{args.recipe}.yaml`, seed {args.seed}, "
-        f"{pretrain_summary(out / 'pretrain')}.",
+        f"Pretraining: `configs/pretrain/{args.recipe}.yaml`, seed {args.seed}, {pretrain_summary(out / 'pretrain')}.",
         "",
         "| metric | pretrained | random init | difference | budget and spread |",
         "|---|---|---|---|---|",
@@ -428,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=Path("datasets/synthetic"))
     parser.add_argument("--preset", default="small", choices=sorted(BUDGETS), help="data preset (and its budget)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--recipe", default="tiny_simclr", help="tiny pretraining recipe: configs/pretrain/<recipe>.yaml")
+    parser.add_argument("--recipe", default="tiny_simclr", help="a tiny recipe: configs/pretrain/<recipe>.yaml")
     parser.add_argument("--out", "--output-dir", type=Path, default=Path("outputs/demo"), help="output folder")
     parser.add_argument("--fresh", action="store_true", help="redo every stage")
     args = parser.parse_args(argv)

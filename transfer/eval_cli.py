@@ -1,7 +1,7 @@
 """What the three frozen-feature evaluators (``transfer.knn``, ``transfer.voc07_svm``,
 ``transfer.linear``) share on their command line: the checkpoint options, the image size
-(``--crop auto`` = the size the checkpoint was pretrained at), progress that shows in a log file,
-and third-party warnings summarised once instead of repeated per fit.
+(``--crop auto`` = the size the checkpoint was pretrained at), and third-party warnings summarised
+once instead of repeated per fit.
 
 This module imports nothing heavy: each evaluator parses its arguments with it first, so that
 ``--help`` and argument errors return at once, and imports torch afterwards.
@@ -18,7 +18,6 @@ import warnings
 from typing import Iterable
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError
-from contrastive_transfer.progress import progress  # noqa: F401  (the evaluators' progress, re-exported)
 from converters.layouts import LAYOUTS
 
 logger = logging.getLogger(__name__)

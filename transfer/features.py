@@ -34,8 +34,8 @@ from torchvision.models.feature_extraction import create_feature_extractor
 
 from contrastive_transfer.cli import atomic_write
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+from contrastive_transfer.progress import progress
 from converters.checkpoint_io import Backbone, build_resnet, load_backbone
-from transfer.eval_cli import progress
 from transfer.layers import LAYERS, LayerSpec, pooling_for  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+from contrastive_transfer.progress import progress
 from contrastive_transfer.safe_load import UnsafeFileError, torch_load
 from transfer import eval_cli
 from transfer.features import (
@@ -250,7 +251,7 @@ def train_epoch(probe: Probe, epoch: int, lr: float, first_loss: float | None) -
     )
     probe.head.train()
     total, count = 0.0, 0
-    for x, y in eval_cli.progress(loader, len(loader), f"linear probe, epoch {epoch + 1}/{preset.epochs}"):
+    for x, y in progress(loader, len(loader), f"linear probe, epoch {epoch + 1}/{preset.epochs}"):
         with torch.no_grad():
             f = probe.features(x.to(**like(probe.features)))[preset.layer]
         loss = F.cross_entropy(probe.head(f), y.to(probe.device))

@@ -24,7 +24,7 @@ import numpy as np
 import scipy.sparse as sp
 from joblib import Parallel, delayed
 
-from transfer import eval_cli
+from contrastive_transfer.progress import progress
 from transfer.voc07_protocol import (
     CV_FOLDS,
     DEFAULT_COSTS,
@@ -184,7 +184,7 @@ def _run(tasks, jobs: int, desc: str, on_warnings: WarningSink = _rewarn) -> lis
         calls = (delayed(_keyed)(k, fn, *args) for k, fn, args in tasks)
         done = Parallel(n_jobs=jobs, return_as="generator_unordered")(calls)
     results = {}
-    for key, result, records in eval_cli.progress(done, len(tasks), desc, unit="fit"):
+    for key, result, records in progress(done, len(tasks), desc, unit="fit"):
         results[key] = result
         if records:
             on_warnings(records)

@@ -273,7 +273,9 @@ def add_arguments(parser) -> None:
         help="batch sizes B (default %(default)s; those above the image count are skipped)",
     )
     parser.add_argument("--temperature", type=float, help="τ (default: the run's method.temperature)")
-    parser.add_argument("--augmentation", help="augmentation preset (default: the run's data.augmentation, else simclr)")
+    parser.add_argument(
+        "--augmentation", help="augmentation preset (default: the run's data.augmentation, else simclr)"
+    )
     parser.add_argument("--image-size", type=int, help="crop size (default: the run's data.image_size, else 224)")
     parser.add_argument("--max-images", type=int, help="use a seeded random subset of this many images")
     parser.add_argument("--seed", type=int, default=0, help="augmentation and batch partition seed")

@@ -17,6 +17,7 @@ import torchvision
 
 import transfer.features as features
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.progress import progress
 from transfer import eval_cli, knn, linear, voc07_svm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,7 +191,7 @@ def test_unwritable_output_fails_before_any_feature_is_extracted(
 
 
 def test_progress_prints_lines_when_not_a_terminal(capsys):
-    assert list(eval_cli.progress(range(3), 3, "features", every=0.0)) == [0, 1, 2]
+    assert list(progress(range(3), 3, "features", every=0.0)) == [0, 1, 2]
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(" [")[0] for line in lines] == [f"features: {i}/3" for i in (1, 2, 3)]
 
