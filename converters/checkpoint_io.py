@@ -38,7 +38,7 @@ from contrastive_transfer.contract import (
     weights_sha256,
 )
 from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
-from converters.layouts import ENCODERS, LAYOUTS, Layout  # noqa: F401  (re-exported)
+from converters.layouts import ENCODERS, LAYOUTS
 
 logger = logging.getLogger(__name__)
 

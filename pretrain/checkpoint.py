@@ -22,8 +22,7 @@ import torch.distributed as torch_dist
 from omegaconf import OmegaConf
 
 from contrastive_transfer.cli import UserError, atomic_write
-from contrastive_transfer.contract import (  # noqa: F401  (FINAL_NAME re-exported for the engine)
-    FINAL_NAME,
+from contrastive_transfer.contract import (
     LAST_NAME,
     PREV_NAME,
     TRAINING_STATE_KEYS,

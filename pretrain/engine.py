@@ -24,11 +24,10 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove_stale_temporaries
+from contrastive_transfer.contract import FINAL_NAME, LAST_NAME
 from contrastive_transfer.progress import progress
 from pretrain import dist
 from pretrain.checkpoint import (
-    FINAL_NAME,
-    LAST_NAME,
     ResumeError,
     choose_resume,
     export_final,

@@ -36,7 +36,7 @@ from contrastive_transfer.cli import atomic_write
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 from contrastive_transfer.progress import progress
 from converters.checkpoint_io import Backbone, build_resnet, load_backbone
-from transfer.layers import LAYERS, LayerSpec, pooling_for  # noqa: F401  (re-exported)
+from transfer.layers import LAYERS, pooling_for
 
 logger = logging.getLogger(__name__)
 

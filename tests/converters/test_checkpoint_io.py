@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from contrastive_transfer.contract import ARCHS
-from converters.checkpoint_io import LAYOUTS, CheckpointError, build_resnet, load_backbone
+from converters.checkpoint_io import CheckpointError, build_resnet, load_backbone
+from converters.layouts import LAYOUTS
 
 
 def _assert_same_tensors(got: dict, want: dict) -> None:

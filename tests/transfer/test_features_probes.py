@@ -16,8 +16,9 @@ import transfer.linear as linear
 import transfer.linear_probe as linear_probe
 from contrastive_transfer.contract import knn_vote
 from converters.checkpoint_io import load_backbone
-from transfer.features import LayerFeatures, Preprocessing, pool, pooling_for
+from transfer.features import LayerFeatures, Preprocessing, pool
 from transfer.knn import topk_accuracy
+from transfer.layers import pooling_for
 from transfer.probe_presets import PRESETS
 
 
