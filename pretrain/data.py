@@ -214,16 +214,21 @@ class ImageDataset(Dataset):
         from pretrain.augment.fast import FastCrops
 
         epoch, drawn, labels, bads = int(self._epoch), [], [], []
+        generator = torch.default_generator
         for index in indices:
             image, label, bad = self._load(int(index))
-            with torch.random.fork_rng(devices=[]):
-                torch.default_generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
+            # fork_rng(devices=[]) by hand: its context manager cost as much as a view's flip draws
+            state = generator.get_state()
+            try:
+                generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
                 drawn.append(
                     [
                         fv.sample(image) if fv is not None else t(torch.from_numpy(image).permute(2, 0, 1))
                         for fv, t in zip(self.fast, self.views)
                     ]
                 )
+            finally:
+                generator.set_state(state)
             labels.append(label)
             bads.append(bad)
         per_view: list = []

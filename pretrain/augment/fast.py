@@ -103,21 +103,14 @@ _F0, _F1, _F255 = np.float32(0.0), np.float32(1.0), np.float32(255.0)
 _WR, _WG, _WB = np.float32(0.2989), np.float32(0.587), np.float32(0.114)  # ITU-R 601-2 luma
 
 
-def _to_planar(src: np.ndarray, x: np.ndarray) -> None:
-    """x[c, i·W + j] = src[i, j, c] / 255: H×W×3 uint8 → 3×(H·W) float32 in [0, 1]. OpenCV
-    de-interleaves (SIMD), then one vectorised division per plane."""
-    r, g, b = cv2.split(np.ascontiguousarray(src))
-    _planes_to_float(r.reshape(-1), g.reshape(-1), b.reshape(-1), x)
-
-
 @numba.njit(cache=True, nogil=True)  # no fastmath: v / 255 exactly as torchvision's to_dtype divides
-def _planes_to_float(r, g, b, x):
-    for p in range(r.shape[0]):
-        x[0, p] = np.float32(r[p]) / _F255
-    for p in range(g.shape[0]):
-        x[1, p] = np.float32(g[p]) / _F255
-    for p in range(b.shape[0]):
-        x[2, p] = np.float32(b[p]) / _F255
+def _to_planar(src, x):
+    """x[c, p] = src[3p + c] / 255: a contiguous H×W×3 uint8 view, flattened, → 3×(H·W) float32 in
+    [0, 1]. One pass, de-interleaving as it converts (cv2.split then a conversion was 2.5× slower)."""
+    for p in range(x.shape[1]):
+        x[0, p] = np.float32(src[3 * p]) / _F255
+        x[1, p] = np.float32(src[3 * p + 1]) / _F255
+        x[2, p] = np.float32(src[3 * p + 2]) / _F255
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -218,13 +211,14 @@ class FastView:
     def __init__(self, transform: ViewTransform):
         self.transform = transform
         self.crop: v2.RandomResizedCrop | None = None
-        self.flips: list[tuple[int, float]] = []  # (axis: 1 horizontal, 0 vertical, p), in order
+        self._log_ratio: tuple[float, float] | None = None
+        self.flips: list[tuple[int, float]] = []  # (axis: 1 horizontal, 0 vertical, p as float32), in order
         self.fast_geometry = True
         for op in transform.geometric:
             if isinstance(op, v2.RandomResizedCrop) and self.crop is None and not self.flips:
                 self.crop = op
             elif isinstance(op, (v2.RandomHorizontalFlip, v2.RandomVerticalFlip)):
-                self.flips.append((1 if isinstance(op, v2.RandomHorizontalFlip) else 0, op.p))
+                self.flips.append((1 if isinstance(op, v2.RandomHorizontalFlip) else 0, float(np.float32(op.p))))
             else:  # rotation, affine, ...; a flip before the crop: the reference's geometry
                 self.fast_geometry = False
         for stage in transform.stages:
@@ -239,16 +233,41 @@ class FastView:
             return np.ascontiguousarray(crop.permute(1, 2, 0).numpy()), u
         out = image
         if self.crop is not None:
-            chw = torch.from_numpy(image).permute(2, 0, 1)  # a view: make_params reads the size only
-            box = self.crop.make_params([chw])
-            out = self._resized_crop(image, box["top"], box["left"], box["height"], box["width"])
+            out = self._resized_crop(image, *self._crop_box(*image.shape[:2]))
         flip = [False, False]  # vertical, horizontal
         for axis, p in self.flips:
-            if not bool(torch.rand(1) >= p):  # RandomHorizontalFlip's test: flipped when rand < p
+            # RandomHorizontalFlip's test, flipped when not rand(1) >= p, is made in float32: the
+            # same with p rounded to float32 (the tensor comparison cost 4 µs, this 1 µs).
+            if torch.rand(1).item() < p:
                 flip[axis] = not flip[axis]
         if flip[0] or flip[1]:  # cv2.flip: 5 µs; numpy's copy of a mirrored view is 50× slower
             out = cv2.flip(out, -1 if flip[0] and flip[1] else int(flip[1]))  # 0 vertical, 1 horizontal
         return out, torch.rand(self.transform.n_uniforms)
+
+    def _crop_box(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """(top, left, height, width): ``RandomResizedCrop.make_params`` with the same torch calls in
+        the same order (so the same draws and the same float32 arithmetic), without its per-call
+        size query and tensor indexing (13 µs → 7 µs per view). Tested against make_params."""
+        if self._log_ratio is None:
+            self._log_ratio = tuple(float(v) for v in self.crop._log_ratio)  # the float32 logs, as doubles
+        (lo, hi), (log_lo, log_hi), area = self.crop.scale, self._log_ratio, height * width
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(lo, hi).item()
+            aspect_ratio = torch.exp(torch.empty(1).uniform_(log_lo, log_hi)).item()
+            w = int(round(math.sqrt(target_area * aspect_ratio)))
+            h = int(round(math.sqrt(target_area / aspect_ratio)))
+            if 0 < w <= width and 0 < h <= height:
+                i = torch.randint(0, height - h + 1, size=(1,)).item()
+                j = torch.randint(0, width - w + 1, size=(1,)).item()
+                return i, j, h, w
+        ratio = self.crop.ratio  # make_params' fallback: a central crop, no draw
+        if width / height < min(ratio):
+            w, h = width, int(round(width / min(ratio)))
+        elif width / height > max(ratio):
+            w, h = int(round(height * max(ratio))), height
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
 
     def _resized_crop(self, image: np.ndarray, top: int, left: int, height: int, width: int) -> np.ndarray:
         size_h, size_w = self.crop.size
@@ -263,7 +282,7 @@ class FastView:
         view into ``out`` (3×H×W)."""
         h, w, _ = crop.shape
         x = np.empty((3, h * w), dtype=np.float32)
-        _to_planar(crop, x)
+        _to_planar(np.ascontiguousarray(crop).reshape(-1), x)
         for stage, p in zip(self.transform.stages, params):
             if not p["apply"][i]:
                 continue

@@ -60,6 +60,24 @@ def test_the_fast_backend_draws_the_references_parameters_and_its_crops_are_clos
         assert quality.min() > 25 and quality.median() > 35, (quality.min(), quality.median())
 
 
+@pytest.mark.parametrize("scale", [(0.08, 1.0), (0.2, 1.0), (0.9, 1.0)])
+def test_the_crop_box_and_flips_are_torchvisions_draws_exactly(scale):
+    """FastView's own crop box and flip test against RandomResizedCrop.make_params and
+    RandomHorizontalFlip on the same RNG state, fallback included (a strip that no aspect ratio
+    fits), and the RNG left in the same state."""
+    view = build_view_transforms("mocov2", 32, views=[{"crop": {"scale": list(scale)}, "hflip": {"p": 0.3}}])[0]
+    fv = F.FastView(view)
+    for k, (h, w) in enumerate([(375, 500), (460, 350), (33, 32), (20, 400), (400, 20)] * 40):
+        torch.manual_seed(k)
+        got = fv._crop_box(h, w)
+        got_flip, got_next = torch.rand(1).item() < fv.flips[0][1], torch.rand(1)
+        torch.manual_seed(k)
+        box = fv.crop.make_params([torch.empty((3, h, w))])
+        want_flip, want_next = not bool(torch.rand(1) >= 0.3), torch.rand(1)
+        assert got == (box["top"], box["left"], box["height"], box["width"]), (h, w, k)
+        assert got_flip == want_flip and torch.equal(got_next, want_next)
+
+
 def test_geometry_within_the_stated_psnr_of_the_antialiased_resize():
     """Natural-looking content (smooth shading and a few edges), crops from 0.6× to 4× the output:
     bilinear without antialiasing up to 2×, area above (docs/augmentation.md)."""
