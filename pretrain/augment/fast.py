@@ -28,6 +28,7 @@ reference's geometry on the decoded image and then the fast colour stage.
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
 import cv2
@@ -197,6 +198,16 @@ def _to_uint8(x, out):
 # ------------------------------------------------------------------------------ one view
 
 
+def _batch_output(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised uint8 batch. In a DataLoader worker it is made in shared memory, as
+    torch's default_collate does: a batch in private memory is copied into shared memory when it
+    is sent to the main process (4.8 MB per 32 views at 224 px)."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape))
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape)
+
+
 class FastCrops(NamedTuple):
     """The fast backend's (uint8 crop, uniforms) left for the device (``data.colour_on_device``):
     a pair like the reference's, marked so that on a CPU device ``finish_views`` runs this backend's
@@ -214,6 +225,7 @@ class FastView:
         self.transform = transform
         self.crop: v2.RandomResizedCrop | None = None
         self._log_ratio: tuple[float, float] | None = None
+        self._scratches: dict[int, np.ndarray] = {}  # per thread (numba's kernels release the GIL)
         self.flips: list[tuple[int, float]] = []  # (axis: 1 horizontal, 0 vertical, p as float32), in order
         self.fast_geometry = True
         for op in transform.geometric:
@@ -283,7 +295,7 @@ class FastView:
         """Sample i's colour stages (``params``: the batch's, as numpy) on ``crop``; the uint8
         view into ``out`` (3×H×W)."""
         h, w, _ = crop.shape
-        x = np.empty((3, h * w), dtype=np.float32)
+        x = self._scratch(h * w)
         _to_planar(np.ascontiguousarray(crop).reshape(-1), x)
         for stage, p in zip(self.transform.stages, params):
             if not p["apply"][i]:
@@ -301,6 +313,17 @@ class FastView:
             else:
                 _solarize(x, np.float32(stage.threshold))
         _to_uint8(x, out.reshape(3, h * w))
+
+    def _scratch(self, n: int) -> np.ndarray:
+        """The float32 3×n working copy of a view, one per thread, kept: a fresh 600 KB array per
+        224-px view comes from mmap when the allocator has none free, and its first touch faults."""
+        x = self._scratches.get(threading.get_ident())
+        if x is None or x.shape[1] != n:
+            x = self._scratches[threading.get_ident()] = np.empty((3, n), dtype=np.float32)
+        return x
+
+    def __getstate__(self) -> dict:  # spawned workers: the scratch arrays stay behind
+        return {**self.__dict__, "_scratches": {}}
 
     def numpy_params(self, u: torch.Tensor) -> list[dict]:
         """The batch's per-stage parameters (ViewTransform.params) as numpy; the jitter's four
@@ -328,7 +351,7 @@ class FastView:
         if not colour:
             hwc = torch.from_numpy(np.stack([d[0] for d in drawn]))
             return hwc.permute(0, 3, 1, 2).contiguous(), u
-        out = torch.empty((len(drawn), 3, h, w), dtype=torch.uint8)
+        out = _batch_output((len(drawn), 3, h, w))
         params = self.numpy_params(u)
         for i, (crop, _) in enumerate(drawn):
             self.colour(crop, params, i, out[i].numpy())
