@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import shutil
 
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -143,6 +144,16 @@ def test_blur_equals_the_reference_up_to_rounding_and_its_truncated_kernel():
     assert (got.double() - want.double()).abs().max() <= 1.0
     assert F.blur_kernel(2.0, 23).shape == (13, 1) and F.blur_kernel(0.3, 23).shape == (3, 1)
     assert F.blur_kernel(2.0, 7).shape == (7, 1)  # never wider than declared
+
+
+@pytest.mark.parametrize("sigma", [0.1, 0.7, 1.3, 2.0, 3.0, 3.7])  # radius 1, 3, 4, 6, 9; 12: OpenCV's
+@pytest.mark.parametrize("shape", [(3, 40, 33), (3, 9, 50), (3, 5, 5)])  # last: radius ≥ a side → OpenCV
+def test_blur_is_opencvs_separable_filter_to_float_rounding(sigma, shape):
+    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    k = F.blur_kernel(sigma, 25)
+    want = np.stack([cv2.sepFilter2D(p, -1, k, k, borderType=cv2.BORDER_REFLECT_101) for p in x])
+    F.blur(x, k)
+    assert np.abs(x - want).max() < 1e-6
 
 
 def test_whole_views_of_the_presets_match_the_reference_on_the_same_crops():
