@@ -94,19 +94,28 @@ def blur_kernel(sigma: float, kernel_size: int) -> np.ndarray:
     return _gaussian(radius, sigma).reshape(-1, 1)
 
 
-def blur(x: np.ndarray, k: np.ndarray, scratch=None) -> None:
+def blur(x: np.ndarray, k: np.ndarray, scratch=None, out: np.ndarray | None = None) -> None:
     """x (3×H×W float32) blurred in place with the column kernel k (``blur_kernel``), reflect-101
     borders: numba's unrolled kernel up to BLUR_MAX_RADIUS, OpenCV's sepFilter2D beyond (or on
-    images no wider than the radius). scratch(name, shape) gives a reusable float32 array."""
+    images no wider than the radius). scratch(name, shape) gives a reusable float32 array. With
+    ``out`` (3×H×W uint8) the blur is the view's last op: the result goes there, rounded once
+    (one pass over the view fewer), and x is left undefined."""
     _, h, w = x.shape
     r = len(k) // 2
     if r <= BLUR_MAX_RADIUS and r < min(h, w):
         shape = (h, w + 2 * r)
         pad = scratch("blur", shape) if scratch is not None else np.empty(shape, dtype=np.float32)
-        _blur(x, pad, tuple(k[r:, 0]))  # float32 scalars: numba compiles one kernel per radius
+        rounded = out is not None
+        # the half kernel as float32 scalars: numba compiles one kernel per radius
+        _blur(x, pad, tuple(k[r:, 0]), out if rounded else _NO_OUT, rounded)
         return
     for plane in x:
         cv2.sepFilter2D(plane, -1, k, k, dst=plane, borderType=cv2.BORDER_REFLECT_101)
+    if out is not None:
+        _to_uint8(x.reshape(3, -1), out.reshape(3, -1))
+
+
+_NO_OUT = np.empty((1, 1, 1), dtype=np.uint8)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -209,10 +218,11 @@ def _solarize(x, threshold):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _blur(x, pad, k):
+def _blur(x, pad, k, out, rounded):
     """x (3×H×W float32) blurred in place by the symmetric kernel whose half is the float32 tuple
     k = (k0, k1, …, kr), reflect-101 borders (r < H, W); pad: an H×(W+2r) float32 scratch.
-    Vertical pass into pad's interior, its columns reflected, horizontal pass back into x."""
+    Vertical pass into pad's interior, its columns reflected, horizontal pass back into x, or
+    (``rounded``) into out (3×H×W uint8) as _to_uint8 rounds, x left half done."""
     _, h, w = x.shape
     r = len(k) - 1
     for c in range(3):
@@ -229,11 +239,18 @@ def _blur(x, pad, k):
             for t in range(1, r + 1):
                 pad[i, r - t] = pad[i, r + t]
                 pad[i, r + w - 1 + t] = pad[i, r + w - 1 - t]
-            for j in range(w):
-                acc = k[0] * pad[i, r + j]
-                for t in range(1, r + 1):
-                    acc += k[t] * (pad[i, r + j - t] + pad[i, r + j + t])
-                plane[i, j] = acc
+            if rounded:  # the view's last op: straight to uint8, as _to_uint8 would round it
+                for j in range(w):
+                    acc = k[0] * pad[i, r + j]
+                    for t in range(1, r + 1):
+                        acc += k[t] * (pad[i, r + j - t] + pad[i, r + j + t])
+                    out[c, i, j] = np.uint8(_clamp(acc) * _F255 + np.float32(0.5))
+            else:
+                for j in range(w):
+                    acc = k[0] * pad[i, r + j]
+                    for t in range(1, r + 1):
+                        acc += k[t] * (pad[i, r + j - t] + pad[i, r + j + t])
+                    plane[i, j] = acc
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -243,6 +260,15 @@ def _to_uint8(x, out):
     for c in range(3):
         for p in range(x.shape[1]):
             out[c, p] = np.uint8(_clamp(x[c, p]) * _F255 + half)
+
+
+@numba.njit(cache=True, nogil=True)
+def _to_chw(src, out):
+    """out[c, p] = src[3p + c]: a view without colour op, H×W×3 (flattened) → 3×(H·W) uint8."""
+    for p in range(out.shape[1]):
+        out[0, p] = src[3 * p]
+        out[1, p] = src[3 * p + 1]
+        out[2, p] = src[3 * p + 2]
 
 
 # ------------------------------------------------------------------------------ one view
@@ -345,11 +371,14 @@ class FastView:
         """Sample i's colour stages (``params``: the batch's, as numpy) on ``crop``; the uint8
         view into ``out`` (3×H×W)."""
         h, w, _ = crop.shape
+        src = np.ascontiguousarray(crop).reshape(-1)
+        applied = [(stage, p) for stage, p in zip(self.transform.stages, params) if p["apply"][i]]
+        if not applied:  # float and back is exact for uint8 (v/255·255 + 0.5 truncates to v)
+            _to_chw(src, out.reshape(3, h * w))
+            return
         x = self._scratch("view", (3, h * w))
-        _to_planar(np.ascontiguousarray(crop).reshape(-1), x)
-        for stage, p in zip(self.transform.stages, params):
-            if not p["apply"][i]:
-                continue
+        _to_planar(src, x)
+        for n, (stage, p) in enumerate(applied):
             if isinstance(stage, ColorJitterStage):
                 for op in p["order"][i]:
                     if stage.enabled[op]:
@@ -357,7 +386,11 @@ class FastView:
             elif isinstance(stage, GrayscaleStage):
                 _grayscale(x)
             elif isinstance(stage, GaussianBlurStage):
-                blur(x.reshape(3, h, w), blur_kernel(float(p["sigma"][i]), stage.kernel_size), self._scratch)
+                last = n == len(applied) - 1
+                k = blur_kernel(float(p["sigma"][i]), stage.kernel_size)
+                blur(x.reshape(3, h, w), k, self._scratch, out if last else None)
+                if last:
+                    return
             else:
                 _solarize(x, np.float32(stage.threshold))
         _to_uint8(x, out.reshape(3, h * w))

@@ -152,8 +152,13 @@ def test_blur_is_opencvs_separable_filter_to_float_rounding(sigma, shape):
     x = np.random.default_rng(0).random(shape, dtype=np.float32)
     k = F.blur_kernel(sigma, 25)
     want = np.stack([cv2.sepFilter2D(p, -1, k, k, borderType=cv2.BORDER_REFLECT_101) for p in x])
+    rounded = np.empty(shape, np.uint8)
+    F.blur(x.copy(), k, out=rounded)  # the view's last op: rounded straight into the uint8 view
     F.blur(x, k)
     assert np.abs(x - want).max() < 1e-6
+    separate = np.empty(shape, np.uint8)
+    F._to_uint8(x.reshape(3, -1), separate.reshape(3, -1))
+    assert np.array_equal(rounded, separate)
 
 
 def test_whole_views_of_the_presets_match_the_reference_on_the_same_crops():
