@@ -368,8 +368,8 @@ class FastView:
         return cv2.resize(crop, (size_w, size_h), interpolation=interpolation)
 
     def colour(self, crop: np.ndarray, params: list[dict], i: int, out: np.ndarray) -> None:
-        """Sample i's colour stages (``params``: the batch's, as numpy) on ``crop``; the uint8
-        view into ``out`` (3×H×W)."""
+        """Sample i's colour stages (``params``: the batch's ``numpy_params``, as lists) on
+        ``crop``; the uint8 view into ``out`` (3×H×W)."""
         h, w, _ = crop.shape
         src = np.ascontiguousarray(crop).reshape(-1)
         applied = [(stage, p) for stage, p in zip(self.transform.stages, params) if p["apply"][i]]
@@ -382,7 +382,7 @@ class FastView:
             if isinstance(stage, ColorJitterStage):
                 for op in p["order"][i]:
                     if stage.enabled[op]:
-                        _jitter_op(x, op, p["factors"][i, op])
+                        _jitter_op(x, op, p["factors"][i][op])
             elif isinstance(stage, GrayscaleStage):
                 _grayscale(x)
             elif isinstance(stage, GaussianBlurStage):
@@ -434,7 +434,8 @@ class FastView:
             hwc = torch.from_numpy(np.stack([d[0] for d in drawn]))
             return hwc.permute(0, 3, 1, 2).contiguous(), u
         out = _batch_output((len(drawn), 3, h, w))
-        params = self.numpy_params(u)
+        # as Python lists: indexing them and passing their items to numba costs half what numpy's do
+        params = [{k: v.tolist() for k, v in p.items()} for p in self.numpy_params(u)]
         for i, (crop, _) in enumerate(drawn):
             self.colour(crop, params, i, out[i].numpy())
         return out
