@@ -47,7 +47,7 @@ from pretrain.augment.pipeline import (
     ViewTransform,
 )
 
-__all__ = ["FastView", "FastCrops", "decode_rgb", "LINEAR_UP_TO", "blur", "blur_kernel"]
+__all__ = ["FastView", "FastCrops", "decode_rgb", "jpeg_size", "LINEAR_UP_TO", "blur", "blur_kernel"]
 
 # DataLoader workers are processes, one core each: OpenCV's own thread pool would oversubscribe.
 cv2.setNumThreads(1)
@@ -85,6 +85,25 @@ def decode_rgb(data: bytes) -> np.ndarray | None:
     if header[2] not in ("Gray", "YCbCr", "RGB"):  # CMYK / YCCK: libjpeg-turbo cannot make RGB
         return None
     return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from the header of a JPEG that ``decode_rgb`` would decode with
+    libjpeg-turbo, or None for anything it would not (not a JPEG, unreadable header, above the
+    pixel limit, CMYK): the caller decodes those at once, by ``decode_rgb``'s own paths."""
+    import simplejpeg
+
+    from contrastive_transfer.images import MAX_IMAGE_PIXELS
+
+    if not simplejpeg.is_jpeg(data):
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    if height * width > MAX_IMAGE_PIXELS or colorspace not in ("Gray", "YCbCr", "RGB"):
+        return None
+    return height, width
 
 
 def blur_kernel(sigma: float, kernel_size: int) -> np.ndarray:
@@ -321,18 +340,28 @@ class FastView:
         if not self.fast_geometry:
             crop, u = self.transform.sample(torch.from_numpy(image).permute(2, 0, 1))
             return np.ascontiguousarray(crop.permute(1, 2, 0).numpy()), u
-        out = image
-        if self.crop is not None:
-            out = self._resized_crop(image, *self._crop_box(*image.shape[:2]))
+        box, flip, u = self.draw(*image.shape[:2])
+        return self.render(image, box, flip), u
+
+    def draw(self, height: int, width: int) -> tuple[tuple[int, int, int, int] | None, int | None, torch.Tensor]:
+        """What ``sample`` draws for an image of that size, without its pixels (fast geometry
+        only): (crop box or None, cv2.flip code or None, uniforms), in the reference's order."""
+        box = self._crop_box(height, width) if self.crop is not None else None
         flip = [False, False]  # vertical, horizontal
         for axis, p in self.flips:
             # RandomHorizontalFlip's test, flipped when not rand(1) >= p, is made in float32: the
             # same with p rounded to float32 (the tensor comparison cost 4 µs, this 1 µs).
             if torch.rand(1).item() < p:
                 flip[axis] = not flip[axis]
-        if flip[0] or flip[1]:  # cv2.flip: 5 µs; numpy's copy of a mirrored view is 50× slower
-            out = cv2.flip(out, -1 if flip[0] and flip[1] else int(flip[1]))  # 0 vertical, 1 horizontal
-        return out, torch.rand(self.transform.n_uniforms)
+        code = (-1 if flip[0] and flip[1] else int(flip[1])) if flip[0] or flip[1] else None  # 0 vertical
+        return box, code, torch.rand(self.transform.n_uniforms)
+
+    def render(self, image: np.ndarray, box: tuple[int, int, int, int] | None, flip: int | None) -> np.ndarray:
+        """The uint8 crop of ``draw``'s box and flip."""
+        out = image if box is None else self._resized_crop(image, *box)
+        if flip is not None:  # cv2.flip: 5 µs; numpy's copy of a mirrored view is 50× slower
+            out = cv2.flip(out, flip)
+        return out
 
     def _crop_box(self, height: int, width: int) -> tuple[int, int, int, int]:
         """(top, left, height, width): ``RandomResizedCrop.make_params`` with the same torch calls in
@@ -421,6 +450,11 @@ class FastView:
             out.append(p)
         return out
 
+    def list_params(self, u: torch.Tensor) -> list[dict]:
+        """``numpy_params`` as Python lists, what ``colour`` takes: indexing them and passing their
+        items to numba costs half what numpy scalars do."""
+        return [{k: v.tolist() for k, v in p.items()} for p in self.numpy_params(u)]
+
     def finish_on_cpu(self, crops: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """B×3×H×W uint8 crops (CPU) and their uniforms → the uint8 views ``batch`` makes."""
         return self.batch([(c.permute(1, 2, 0).numpy(), ui) for c, ui in zip(crops, u)], colour=True)
@@ -434,8 +468,7 @@ class FastView:
             hwc = torch.from_numpy(np.stack([d[0] for d in drawn]))
             return hwc.permute(0, 3, 1, 2).contiguous(), u
         out = _batch_output((len(drawn), 3, h, w))
-        # as Python lists: indexing them and passing their items to numba costs half what numpy's do
-        params = [{k: v.tolist() for k, v in p.items()} for p in self.numpy_params(u)]
+        params = self.list_params(u)
         for i, (crop, _) in enumerate(drawn):
             self.colour(crop, params, i, out[i].numpy())
         return out

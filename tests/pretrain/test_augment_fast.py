@@ -271,3 +271,31 @@ def test_corrupt_and_non_jpeg_files_take_the_references_paths(train_root, tmp_pa
         got, u = fast[i][0][0]
         want, ref_u = ref[i][0][0]
         assert torch.equal(u, ref_u) and psnr(got[None], want[None]).item() > 30
+
+
+def test_views_made_as_each_jpeg_is_decoded_equal_the_staged_ones_bad_files_included(train_root, tmp_path):
+    """Colour in the worker decodes each JPEG only when its views are made (the draws from the
+    header's size): the same views, labels and bad paths as the staged path (colour left for the
+    device, finished on CPU), with a truncated JPEG (good header, corrupt data), a PNG, a grayscale
+    and a CMYK JPEG in the batch."""
+    from PIL import Image
+
+    files = sorted(train_root.rglob("*.JPEG"))[:6]
+    (tmp_path / "a").mkdir()
+    for f in files:
+        shutil.copy(f, tmp_path / "a" / f.name)
+    truncated = tmp_path / "a" / files[1].name
+    truncated.write_bytes(truncated.read_bytes()[: len(truncated.read_bytes()) // 2])
+    Image.open(files[2]).save(tmp_path / "a" / "x.png")
+    Image.open(files[2]).convert("L").save(tmp_path / "a" / "y.jpg")
+    Image.open(files[3]).convert("CMYK").save(tmp_path / "a" / "z.jpg")
+    views = build_view_transforms("byol", 24)
+    indices = list(range(9))[::-1]
+    deferred, staged = (
+        ImageDataset(tmp_path, views, seed=2, backend="fast", colour_on_device=c).__getitems__(indices)
+        for c in (False, True)
+    )
+    got, labels, bad = collate(deferred)
+    want, want_labels, want_bad = collate(staged)
+    assert bad == want_bad == [str(truncated)] and torch.equal(labels, want_labels)
+    assert all(torch.equal(a, b) for a, b in zip(finish_views(got, views, CPU), finish_views(want, views, CPU)))
