@@ -1,9 +1,10 @@
 """The fast CPU backend of the views (``data.backend: fast``): the same declared views, the same
 random draws, run on uint8 with libjpeg-turbo, OpenCV and small numba kernels.
 
-What a worker does per image: one decode (simplejpeg, libjpeg-turbo) for all its views; per view
-the geometric draws of the torchvision ops themselves (``RandomResizedCrop.make_params``, the
-flips' ``torch.rand(1)``, then the view's uniforms), in the order ``ViewTransform.sample`` draws
+What a worker does per image: one decode (simplejpeg, libjpeg-turbo) for all its views, made when
+its views are (the dataset draws from the JPEG header's size first: ``draw``, then ``render``);
+per view the geometric draws of the torchvision ops (``RandomResizedCrop.make_params``'s torch
+calls, the flips' ``torch.rand(1)``, then the view's uniforms), in the order ``ViewTransform.sample`` draws
 them, so the parameters are those of the reference (``data.backend: torchvision``) for the same
 ``(seed, epoch, index)``; crop + resize on uint8; the colour stages on one float32 planar copy of
 the 224-px view with the parameters ``ViewTransform.params`` decodes (the reference's formulas,
