@@ -208,22 +208,39 @@ class ImageDataset(Dataset):
                 per_view.append([d[j] for d in drawn])
         return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
 
+    def _seeded(self, index: int, epoch: int, draw: Callable, *args):
+        """draw(*args) with the global RNG seeded by (seed, epoch, index), the caller's stream left as
+        it was (fork_rng(devices=[]) by hand: its context manager cost as much as a view's flip draws)."""
+        generator = torch.default_generator
+        state = generator.get_state()
+        try:
+            generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
+            return draw(*args)
+        finally:
+            generator.set_state(state)
+
+    def _fast_sample(self, image: np.ndarray) -> list:
+        """Every view's (uint8 crop, uniforms) of a decoded image (other callables: their view)."""
+        return [
+            fv.sample(image) if fv is not None else t(torch.from_numpy(image).permute(2, 0, 1))
+            for fv, t in zip(self.fast, self.views)
+        ]
+
+    def _fast_draw(self, size: tuple[int, int]) -> list:
+        """Every view's draws for an image of that size (FastView.draw)."""
+        return [fv.draw(*size) for fv in self.fast]
+
     def _getitems_fast(self, indices: Sequence[int]) -> list[tuple[list, int, list[str]]]:
         """__getitems__ of the fast backend: the same seeding and draws, uint8 views (or, with
         colour_on_device, (uint8 crop, uniforms) pairs as the reference's, marked FastCrops)."""
+        if not self.colour_on_device and all(fv is not None and fv.fast_geometry and fv.crop for fv in self.fast):
+            return self._getitems_fast_deferred(indices)
         from pretrain.augment.fast import FastCrops
 
         epoch, drawn, labels, bads = int(self._epoch), [], [], []
         for index in indices:
             image, label, bad = self._load(int(index))
-            with torch.random.fork_rng(devices=[]):
-                torch.default_generator.manual_seed(_seed("augment", self.seed, epoch, int(index)))
-                drawn.append(
-                    [
-                        fv.sample(image) if fv is not None else t(torch.from_numpy(image).permute(2, 0, 1))
-                        for fv, t in zip(self.fast, self.views)
-                    ]
-                )
+            drawn.append(self._seeded(index, epoch, self._fast_sample, image))
             labels.append(label)
             bads.append(bad)
         per_view: list = []
@@ -236,6 +253,56 @@ class ImageDataset(Dataset):
                 per_view.append([FastCrops(c, u) for c, u in zip(*(v.unbind(0) for v in views))])
             else:
                 per_view.append(views.unbind(0))
+        return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
+
+    def _getitems_fast_deferred(self, indices: Sequence[int]) -> list[tuple[list, int, list[str]]]:
+        """The fast backend's views when every view is a crop (and flips) coloured in the worker,
+        each JPEG decoded only when its views are made: the draws need the size alone (from the
+        header), the batch's colour parameters need the draws, then per sample decode, crop and
+        colour while its pixels are in cache (measured ~20 µs per view less than holding the
+        batch's crops). The same views as the staged path: other files are decoded at once by
+        ``_load``; a JPEG whose data turns out corrupt behind a good header is replaced as
+        ``_load`` replaces it, with the draws made again on the replacement."""
+        from pretrain.augment.fast import _batch_output, decode_rgb, jpeg_size
+
+        epoch, staged, labels, bads = int(self._epoch), [], [], []
+        for index in indices:
+            path, label = self.samples[int(index) % len(self.samples)]
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                size = jpeg_size(data)
+            except OSError:
+                size = None
+            bad: list[str] = []
+            if size is None:  # decoded now, by _load's paths (Pillow, the next file for a bad one)
+                image, label, bad = self._load(int(index))
+                staged.append((None, self._seeded(index, epoch, self._fast_sample, image)))
+            else:
+                staged.append((data, self._seeded(index, epoch, self._fast_draw, size)))
+            labels.append(label)
+            bads.append(bad)
+        params = [fv.list_params(torch.stack([draws[j][-1] for _, draws in staged])) for j, fv in enumerate(self.fast)]
+        outs = [_batch_output((len(indices), 3, *fv.crop.size)) for fv in self.fast]
+        for n, (index, (data, draws)) in enumerate(zip(indices, staged)):
+            if data is None:  # its crops are made
+                for j, fv in enumerate(self.fast):
+                    fv.colour(draws[j][0], params[j], n, outs[j][n].numpy())
+                continue
+            try:
+                image = decode_rgb(data)
+            except _DECODE_ERRORS:
+                image = None
+            if image is None:  # what _load gives instead, and its own draws
+                image, labels[n], bads[n] = self._load(int(index))
+                drawn = self._seeded(index, epoch, self._fast_sample, image)
+                for j, (fv, (crop, u)) in enumerate(zip(self.fast, drawn)):
+                    fv.colour(crop, fv.list_params(u[None]), 0, outs[j][n].numpy())
+                continue
+            for j, fv in enumerate(self.fast):
+                box, flip, _ = draws[j]
+                fv.colour(fv.render(image, box, flip), params[j], n, outs[j][n].numpy())
+        per_view = [out.unbind(0) for out in outs]
         return [([v[i] for v in per_view], labels[i], bads[i]) for i in range(len(indices))]
 
     def _getitems_encoded(self, indices: Sequence[int]) -> list[tuple]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import shutil
 
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -58,6 +59,24 @@ def test_the_fast_backend_draws_the_references_parameters_and_its_crops_are_clos
         assert torch.equal(u, ref_u) and crops.dtype == torch.uint8 and crops.shape == ref_crops.shape
         quality = psnr(crops, ref_crops)
         assert quality.min() > 25 and quality.median() > 35, (quality.min(), quality.median())
+
+
+@pytest.mark.parametrize("scale", [(0.08, 1.0), (0.2, 1.0), (0.9, 1.0)])
+def test_the_crop_box_and_flips_are_torchvisions_draws_exactly(scale):
+    """FastView's own crop box and flip test against RandomResizedCrop.make_params and
+    RandomHorizontalFlip on the same RNG state, fallback included (a strip that no aspect ratio
+    fits), and the RNG left in the same state."""
+    view = build_view_transforms("mocov2", 32, views=[{"crop": {"scale": list(scale)}, "hflip": {"p": 0.3}}])[0]
+    fv = F.FastView(view)
+    for k, (h, w) in enumerate([(375, 500), (460, 350), (33, 32), (20, 400), (400, 20)] * 40):
+        torch.manual_seed(k)
+        got = fv._crop_box(h, w)
+        got_flip, got_next = torch.rand(1).item() < fv.flips[0][1], torch.rand(1)
+        torch.manual_seed(k)
+        box = fv.crop.make_params([torch.empty((3, h, w))])
+        want_flip, want_next = not bool(torch.rand(1) >= 0.3), torch.rand(1)
+        assert got == (box["top"], box["left"], box["height"], box["width"]), (h, w, k)
+        assert got_flip == want_flip and torch.equal(got_next, want_next)
 
 
 def test_geometry_within_the_stated_psnr_of_the_antialiased_resize():
@@ -125,6 +144,21 @@ def test_blur_equals_the_reference_up_to_rounding_and_its_truncated_kernel():
     assert (got.double() - want.double()).abs().max() <= 1.0
     assert F.blur_kernel(2.0, 23).shape == (13, 1) and F.blur_kernel(0.3, 23).shape == (3, 1)
     assert F.blur_kernel(2.0, 7).shape == (7, 1)  # never wider than declared
+
+
+@pytest.mark.parametrize("sigma", [0.1, 0.7, 1.3, 2.0, 3.0, 3.7])  # radius 1, 3, 4, 6, 9; 12: OpenCV's
+@pytest.mark.parametrize("shape", [(3, 40, 33), (3, 9, 50), (3, 5, 5)])  # last: radius ≥ a side → OpenCV
+def test_blur_is_opencvs_separable_filter_to_float_rounding(sigma, shape):
+    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    k = F.blur_kernel(sigma, 25)
+    want = np.stack([cv2.sepFilter2D(p, -1, k, k, borderType=cv2.BORDER_REFLECT_101) for p in x])
+    rounded = np.empty(shape, np.uint8)
+    F.blur(x.copy(), k, out=rounded)  # the view's last op: rounded straight into the uint8 view
+    F.blur(x, k)
+    assert np.abs(x - want).max() < 1e-6
+    separate = np.empty(shape, np.uint8)
+    F._to_uint8(x.reshape(3, -1), separate.reshape(3, -1))
+    assert np.array_equal(rounded, separate)
 
 
 def test_whole_views_of_the_presets_match_the_reference_on_the_same_crops():
@@ -237,3 +271,31 @@ def test_corrupt_and_non_jpeg_files_take_the_references_paths(train_root, tmp_pa
         got, u = fast[i][0][0]
         want, ref_u = ref[i][0][0]
         assert torch.equal(u, ref_u) and psnr(got[None], want[None]).item() > 30
+
+
+def test_views_made_as_each_jpeg_is_decoded_equal_the_staged_ones_bad_files_included(train_root, tmp_path):
+    """Colour in the worker decodes each JPEG only when its views are made (the draws from the
+    header's size): the same views, labels and bad paths as the staged path (colour left for the
+    device, finished on CPU), with a truncated JPEG (good header, corrupt data), a PNG, a grayscale
+    and a CMYK JPEG in the batch."""
+    from PIL import Image
+
+    files = sorted(train_root.rglob("*.JPEG"))[:6]
+    (tmp_path / "a").mkdir()
+    for f in files:
+        shutil.copy(f, tmp_path / "a" / f.name)
+    truncated = tmp_path / "a" / files[1].name
+    truncated.write_bytes(truncated.read_bytes()[: len(truncated.read_bytes()) // 2])
+    Image.open(files[2]).save(tmp_path / "a" / "x.png")
+    Image.open(files[2]).convert("L").save(tmp_path / "a" / "y.jpg")
+    Image.open(files[3]).convert("CMYK").save(tmp_path / "a" / "z.jpg")
+    views = build_view_transforms("byol", 24)
+    indices = list(range(9))[::-1]
+    deferred, staged = (
+        ImageDataset(tmp_path, views, seed=2, backend="fast", colour_on_device=c).__getitems__(indices)
+        for c in (False, True)
+    )
+    got, labels, bad = collate(deferred)
+    want, want_labels, want_bad = collate(staged)
+    assert bad == want_bad == [str(truncated)] and torch.equal(labels, want_labels)
+    assert all(torch.equal(a, b) for a, b in zip(finish_views(got, views, CPU), finish_views(want, views, CPU)))
