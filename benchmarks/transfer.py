@@ -148,6 +148,10 @@ def detection(weights: Path, data: Path, run: Path, seeds: int, iters: int, ever
                 key = next((k for k in row if k.endswith("bbox/AP50")), None)
                 if key and str(row["iteration"] + 1) in result["curve"]:
                     result["curve"][str(row["iteration"] + 1)].append(row[key])
+        # detectron2 evaluates the last iteration after training, past its metrics writer: that
+        # point is the run's final AP50, which metrics.json holds.
+        if not result["curve"].get(str(iters)):
+            result["curve"][str(iters)] = result["AP50"]
     return result
 
 
@@ -207,9 +211,34 @@ def write_table(rows: dict[str, dict], out: Path, args) -> None:
     missing = [r for r in ROWS if r not in rows]
     if missing:
         lines += ["", f"Not measured yet: {', '.join(missing)}."]
+    lines += curve_table(rows)
     lines += ["", DESIGN, "", f"![transfer]({out.with_suffix('.png').name})", ""]
     out.write_text("\n".join(lines))
     _chart(rows, out.with_suffix(".png"))
+
+
+def curve_table(rows: dict[str, dict]) -> list[str]:
+    """AP50 against iterations of the whole-network fine-tune (``--curve``), mean ± std over seeds."""
+    curves = {r: rows[r]["curve"] for r in CURVE["rows"] if "curve" in rows.get(r, {})}
+    if not curves:
+        return []
+    its = sorted({int(i) for c in curves.values() for i in c})
+    lines = [
+        "",
+        "## Detection AP50 against iterations, whole network fine-tuned",
+        "",
+        f"`python -m benchmarks.transfer --curve`: the MoCo paper's protocol (every layer trained, "
+        f"`configs/detection/{CURVE_CONFIG.name}`) at a constant lr, {CURVE['iters']} iterations of 2 images, "
+        f"evaluated every {CURVE['every']}; AP50 mean ± std over {CURVE['seeds']} fine-tune seeds.",
+        "",
+        "| iterations | " + " | ".join(curves) + " |",
+        "|---|" + "---|" * len(curves),
+    ]
+    for i in its:
+        lines.append(
+            f"| {i} | " + " | ".join(cell(c[str(i)]) if c.get(str(i)) else "—" for c in curves.values()) + " |"
+        )
+    return lines
 
 
 # Why the synthetic data can show a gain, and what it shares with the detection data.
@@ -240,7 +269,9 @@ def _chart(rows: dict[str, dict], path: Path) -> None:
         means, stds = zip(*(mean_std(rows[row]["values"][m]) for m in METRICS))
         xs = [j + i * width for j in range(len(METRICS))]
         ax.bar(xs, means, width, yerr=[s or 0.0 for s in stds], capsize=2, label=row.replace("tiny_", ""))
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(METRICS))], [LABELS[m] for m in METRICS])
+    ax.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(METRICS))], [LABELS[m].replace(" ", "\n", 1) for m in METRICS]
+    )
     ax.set_ylabel("score (error bars: std over seeds)")
     ax.set_title("Transfer after the same pretraining budget")
     ax.legend(fontsize=8, ncol=2)

@@ -4,6 +4,7 @@ only where it exceeds twice its standard error."""
 
 from __future__ import annotations
 
+import json
 import statistics
 
 from benchmarks import transfer
@@ -55,3 +56,22 @@ def test_rows_are_kept_by_hash_and_the_table_marks_clear_gains(tmp_path, monkeyp
     assert "| 60.0 | 22.0 | 50.0 ± 1.0 | 15.0 ± 1.0 |" in simclr and "+10.0 ✓ | +10.0 ✓ |" in simclr
     assert "| +1.0 ✓ | +1.0 ✓ | +1.0 | +1.0 | +0.1 |" in mocov2  # within 2 SE of random init's seeds
     assert "Not measured yet: tiny_dclw" in table
+
+
+def test_the_curve_takes_its_last_point_from_the_final_evaluation(tmp_path, monkeypatch):
+    # detectron2 writes periodic evaluations into training_metrics.json, but the one after the last
+    # iteration only into metrics.json: the curve's last point must come from there.
+    out = tmp_path / "detection_600it_2seeds_every300"
+    per_seed = {}
+    for seed, (mid, final) in {"1": (3.0, 9.0), "2": (5.0, 11.0)}.items():
+        (out / f"seed_{seed}").mkdir(parents=True)
+        rows = [{"iteration": 299, "bbox/AP50": mid}, {"iteration": 599, "total_loss": 1.0}]
+        (out / f"seed_{seed}" / "training_metrics.json").write_text("\n".join(json.dumps(r) for r in rows))
+        per_seed[seed] = {"voc_2007_test": {"bbox": {"AP50": final, "AP": final / 2}}}
+    (out / "metrics.json").write_text(json.dumps({"per_seed": per_seed}))
+    (tmp_path / "detectron2.pkl").write_bytes(b"")
+    result = transfer.detection(tmp_path / "w.pth", tmp_path, tmp_path, seeds=2, iters=600, every=300)
+    assert result["curve"] == {"300": [3.0, 5.0], "600": [9.0, 11.0]}
+    assert result["AP50"] == [9.0, 11.0] and result["AP"] == [4.5, 5.5]
+    table = transfer.curve_table({"tiny_simclr": result, "random": {"curve": {"300": [1.0], "600": [2.0, 4.0]}}})
+    assert "| 300 | 4.0 ± 1.4 | 1.0 |" in table and "| 600 | 10.0 ± 1.4 | 3.0 ± 1.4 |" in table
