@@ -263,7 +263,7 @@ class ImageDataset(Dataset):
         batch's crops). The same views as the staged path: other files are decoded at once by
         ``_load``; a JPEG whose data turns out corrupt behind a good header is replaced as
         ``_load`` replaces it, with the draws made again on the replacement."""
-        from pretrain.augment.fast import _batch_output, decode_rgb, jpeg_size
+        from pretrain.augment.fast import batch_output, decode_rgb, jpeg_size
 
         epoch, staged, labels, bads = int(self._epoch), [], [], []
         for index in indices:
@@ -283,7 +283,7 @@ class ImageDataset(Dataset):
             labels.append(label)
             bads.append(bad)
         params = [fv.list_params(torch.stack([draws[j][-1] for _, draws in staged])) for j, fv in enumerate(self.fast)]
-        outs = [_batch_output((len(indices), 3, *fv.crop.size)) for fv in self.fast]
+        outs = [batch_output((len(indices), 3, *fv.crop.size)) for fv in self.fast]
         for n, (index, (data, draws)) in enumerate(zip(indices, staged)):
             if data is None:  # its crops are made
                 for j, fv in enumerate(self.fast):

@@ -323,7 +323,7 @@ def train_one_epoch(run: Run, step: int, bar) -> tuple[int, float]:
         step += 1
         if row is not None:
             t_step = time.perf_counter() - t_batch  # after .item(): the device finished the step
-            row.update(step_time=t_step, time=time.time())  # time: wall clock (s since the epoch)
+            row.update(step_time=t_step, time=time.time())  # time: wall clock, Unix seconds
             log_row(run, row)
             bar.set_postfix(
                 loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.3g}", data=f"{row['data_time']:.3f}s", step=f"{t_step:.3f}s"
@@ -363,8 +363,7 @@ def train_one_step(run: Run, step: int, images, labels, data_time: float) -> dic
         )
     if not finite:
         raise NonFiniteLossError(
-            f"non-finite loss ({loss.item()}) at step {step} (epoch {step // run.steps_per_epoch}); stopped "
-            f"without saving. {last_good(run.out)} Lower optim.lr, or use train.mixed_precision=bf16/no"
+            f"non-finite loss ({loss.item()}) at step {step} (epoch {step // run.steps_per_epoch}); {stopped(run)}"
         )
     optimizer.step()
     method.after_step(skipped=run.accelerator.optimizer_step_was_skipped)  # e.g. AdCo's ascent
@@ -375,6 +374,11 @@ def train_one_step(run: Run, step: int, images, labels, data_time: float) -> dic
     if step % cfg.train.log_every == 0 or diagnose or step == run.last_step:
         return metrics_row(run, step, lr, data_time, output, diagnose)
     return None
+
+
+def stopped(run: Run) -> str:
+    """The end of a non-finite stop's line: nothing was saved, what to resume from, what to change."""
+    return f"stopped without saving. {last_good(run.out)} Lower optim.lr, or use train.mixed_precision=bf16/no"
 
 
 def metrics_row(run: Run, step: int, lr: float, data_time: float, output: dict, diagnose: bool) -> dict:
@@ -401,8 +405,7 @@ def save_checkpoint(run: Run, step: int) -> None:
     # reduction, so all of them stop together and nothing is written.
     if not dist.start_all_ranks_true(parameters_usable(run.method).unsqueeze(0)).wait()[0]:
         raise NonFiniteLossError(
-            f"the parameters after step {step} are not finite (or too large to square in fp32); stopped "
-            f"without saving. {last_good(run.out)} Lower optim.lr, or use train.mixed_precision=bf16/no"
+            f"the parameters after step {step} are not finite (or too large to square in fp32); {stopped(run)}"
         )
     save_training_state(
         run.out / LAST_NAME, run.accelerator, run.method, run.optimizer, step, run.steps_per_epoch, run.cfg

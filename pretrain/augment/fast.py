@@ -294,7 +294,7 @@ def _to_chw(src, out):
 # ------------------------------------------------------------------------------ one view
 
 
-def _batch_output(shape: tuple[int, ...]) -> torch.Tensor:
+def batch_output(shape: tuple[int, ...]) -> torch.Tensor:
     """An uninitialised uint8 batch. In a DataLoader worker it is made in shared memory, as
     torch's default_collate does: a batch in private memory is copied into shared memory when it
     is sent to the main process (4.8 MB per 32 views at 224 px)."""
@@ -468,7 +468,7 @@ class FastView:
         if not colour:
             hwc = torch.from_numpy(np.stack([d[0] for d in drawn]))
             return hwc.permute(0, 3, 1, 2).contiguous(), u
-        out = _batch_output((len(drawn), 3, h, w))
+        out = batch_output((len(drawn), 3, h, w))
         params = self.list_params(u)
         for i, (crop, _) in enumerate(drawn):
             self.colour(crop, params, i, out[i].numpy())
