@@ -40,15 +40,15 @@ DETECTION_NOTE = (
     "budget; measured beforehand with tiny SimCLR (pretrained with `data.backend: torchvision`) "
     "against random init (2 seeds each): AP50 5.4 ± 0.8 vs "
     "3.1 ± 0.1 at 400 iterations, 9.5 ± 0.5 vs 4.8 ± 0.7 at 600. With the whole network fine-tuned (the "
-    "MoCo paper's protocol, `tiny_voc0712_R_18_FPN_syncbn.yaml`, constant lr, one seed), a random-init "
-    "backbone catches up with a 6-epoch tiny MoCo v2 within the first thousand iterations (AP50 4.2 vs "
-    "2.4 at 300, 6.9 vs 6.3 at 600, 12.4 vs 12.5 at 900, 17.3 vs 18.0 at 1200), while a supervised "
-    "backbone of the same budget is 6 points ahead at 600 (12.3): at this scale the full fine-tune shows "
-    "the gain of strong features only."
+    "MoCo paper's protocol, `tiny_voc0712_R_18_FPN_syncbn.yaml`, constant lr, 2 seeds each), a random-init "
+    "backbone catches up with a 6-epoch tiny SimCLR by about 1,200 iterations (AP50 3.8 ± 0.8 vs 3.1 ± 0.2 "
+    "at 300, 9.1 ± 0.7 vs 6.9 ± 1.5 at 600, 15.2 ± 1.1 vs 13.7 ± 0.9 at 900, 22.0 ± 4.0 vs 22.5 ± 0.1 at "
+    "1200; `python -m benchmarks.transfer --curve`): at this scale a random backbone learns the shapes' "
+    "outlines quickly, so the frozen backbone is what shows the features' gain."
 )
 # The backbone frozen, the FPN and heads trained: what the features give detection within the demo's
 # budget. With the whole network trained (the paper's protocol), random init catches up with a
-# briefly pretrained backbone within the first thousand iterations (DETECTION_NOTE).
+# briefly pretrained backbone by about 1,200 iterations (DETECTION_NOTE).
 DETECTION_CONFIG = ROOT / "configs" / "detection" / "tiny_voc0712_R_18_FPN_frozen.yaml"
 
 
