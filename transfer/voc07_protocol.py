@@ -8,6 +8,8 @@
   sklearn's average precision of the decision function (``cross_val_score(..., cv=3,
   scoring="average_precision")``; first on ties), refit on all of trainval;
 * test AP = all-point interpolated AP (``voc_ap``); mAP = mean over classes × 100.
+
+``chance_map`` gives the mAP of random rankings on a test split: the floor a table reads gains from.
 """
 
 from __future__ import annotations
@@ -74,6 +76,20 @@ def per_class_ap(scores, test_labels: np.ndarray) -> np.ndarray:
         keep, y = scoring_targets(test_labels, c)
         aps[c] = voc_ap(scores[c][keep], y)
     return aps
+
+
+def chance_map(test_labels: np.ndarray, draws: int = 200, seed: int = 0) -> tuple[float, float]:
+    """(mean, std) of the mAP × 100 that random rankings score on these test labels: i.i.d. uniform
+    scores per class and image, ``draws`` times (seeded: the same labels give the same figures).
+
+    What features without information score. It is well above 0 and grows as the split shrinks:
+    about the mean positive rate on a large split, 20 on a split of 40 images with ~4 positives
+    per class, where no gain between two backbones can be read.
+    """
+    rng = np.random.default_rng(seed)
+    shape = (test_labels.shape[1], test_labels.shape[0])
+    maps = [100 * float(per_class_ap(rng.random(shape), test_labels).mean()) for _ in range(draws)]
+    return float(np.mean(maps)), float(np.std(maps))
 
 
 def check_disjoint(train_ids: list[str], test_ids: list[str], train_split: str, test_split: str) -> None:

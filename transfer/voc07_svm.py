@@ -44,7 +44,7 @@ import time
 from contrastive_transfer.cli import UserError, command, ensure_writable_dir
 from transfer import eval_cli
 from transfer.layers import LAYERS
-from transfer.voc07_protocol import CV_FOLDS, DEFAULT_COSTS, check_disjoint
+from transfer.voc07_protocol import CV_FOLDS, DEFAULT_COSTS, chance_map, check_disjoint
 from transfer.voc07_solvers import SOLVERS, SVM_PARAMS, SVM_SEED, run_svms
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,12 @@ def _svm_record(args: argparse.Namespace) -> dict:
     }
 
 
+def _chance_record(labels) -> dict:
+    """The mAP random rankings score on the test split: the floor the layers' mAP is read against."""
+    mean, std = chance_map(labels)
+    return {"chance_mAP": mean, "chance_mAP_std": std}
+
+
 @command
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             "preprocessing": prep.describe(),
             "svm": _svm_record(args),
             "train": {"split": args.train_split, "images": len(train.ids)},
-            "test": {"split": args.test_split, "images": len(test.ids)},
+            "test": {"split": args.test_split, "images": len(test.ids), **_chance_record(test.labels)},
             "layers": {},
         }
         _evaluate_layers(args, layers, model, prep, train, test, metrics, out, caught.add)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from sklearn.model_selection import cross_val_score
@@ -10,7 +12,7 @@ from sklearn.svm import LinearSVC
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.synthetic import VOC_CLASSES
 from transfer.datasets.readers import read_voc_labels
-from transfer.voc07_protocol import check_disjoint, scoring_targets, training_targets, voc_ap
+from transfer.voc07_protocol import chance_map, check_disjoint, scoring_targets, training_targets, voc_ap
 from transfer.voc07_solvers import run_svms
 from transfer.voc07_svm import main
 
@@ -56,6 +58,25 @@ def test_ap_matches_positive_wise_definition_on_random_rankings():
         targets[0] = 1
         scores = rng.normal(size=n)
         assert voc_ap(scores, targets) == pytest.approx(ap_by_positives(scores, targets), abs=1e-12)
+
+
+def exact_chance_ap(targets) -> float:
+    """Expected AP of a uniformly random ranking, by enumerating every ranking (ties have
+    probability 0) and averaging the positive-wise AP: the brute force chance_map estimates."""
+    rankings = itertools.permutations(range(len(targets)))
+    return float(np.mean([ap_by_positives(-np.asarray(r), targets) for r in rankings]))
+
+
+def test_chance_map_is_the_mean_ap_of_random_rankings():
+    # One positive among two: AP 1 when it is ranked first, 1/2 when second; mean 3/4, std 1/4.
+    mean, std = chance_map(np.array([[1], [-1]]), draws=2000)
+    assert mean == pytest.approx(75.0, abs=4 * 25 / np.sqrt(2000)) and std == pytest.approx(25.0, rel=0.05)
+    # Two classes, 7 images, a difficult one (0) dropped from class 0's scoring.
+    labels = np.array([[1, -1], [-1, 1], [0, -1], [1, -1], [-1, -1], [-1, 1], [-1, 1]])
+    expected = 100 * np.mean([exact_chance_ap(scoring_targets(labels, c)[1]) for c in range(2)])
+    mean, std = chance_map(labels, draws=2000)
+    assert mean == pytest.approx(expected, abs=4 * std / np.sqrt(2000))
+    assert chance_map(labels) == chance_map(labels)  # seeded: a table's floor does not move between runs
 
 
 # ------------------------------------------------------------------------------------------ SVM
