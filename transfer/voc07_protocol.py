@@ -83,7 +83,7 @@ def chance_map(test_labels: np.ndarray, draws: int = 200, seed: int = 0) -> tupl
     scores per class and image, ``draws`` times (seeded: the same labels give the same figures).
 
     What features without information score. It is well above 0 and grows as the split shrinks:
-    about the mean positive rate on a large split, 20 on a split of 40 images with ~4 positives
+    a little above the mean positive rate on a large split, 20 on a split of 40 images with ~4 positives
     per class, where no gain between two backbones can be read.
     """
     rng = np.random.default_rng(seed)
