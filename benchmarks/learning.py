@@ -282,15 +282,33 @@ def table_line(recipe: str, runs: list[dict]) -> str:
         f"{max(_values(runs, 'peak_mib')):.0f}",
         f"{max(r.get('load_avg_5min', float('nan')) for r in runs):.1f}",
         f"`{first['config_hash']}`",
-        f"`{first['git_sha']}`",
+        ", ".join(f"`{sha}`" for sha in dict.fromkeys(r["git_sha"] for r in runs)),
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def summary(runs: dict[str, list[dict]]) -> str:
+    """One sentence over the measured rows: how many clear the margin, and the probe's gains, which
+    tell a backbone that learned little from one whose kNN neighbourhoods are not yet class-pure."""
+    rows = {recipe: measured for recipe, measured in runs.items() if measured}
+    if not rows:
+        return "No row measured yet."
+    verdicts = [verdict([r["knn_top1"] - r["random_knn_top1"] for r in measured]) for measured in rows.values()]
+    clear = [v for v in verdicts if v.startswith("✓")]
+    below = [v for v in verdicts if not v.startswith("✓")]
+    probe = [statistics.fmean(r["linear_top1"] - r["random_linear_top1"] for r in m) for m in rows.values()]
+    return (
+        f"{len(clear)} of {len(rows)} measured rows clear the {MARGIN:.0f}-point kNN margin "
+        f"({sum('within spread' in v for v in clear)} of them within spread); {len(below)} are below it "
+        f"({sum('within spread' in v for v in below)} of them within spread). The mean linear-probe gain over "
+        f"random init lies between {min(probe):+.1f} and {max(probe):+.1f} points across the rows."
+    )
 
 
 def write_table(runs: dict[str, list[dict]], recipes: list[str], out: Path, args) -> None:
     seeds = ", ".join(map(str, range(args.seeds)))
     lines = [
-        "# Every method learns: tiny recipes on the synthetic data",
+        "# Does every method learn? Tiny recipes on the synthetic data",
         "",
         f"`python -m benchmarks.learning --epochs {args.epochs} --seeds {args.seeds}`: each tiny recipe pretrained for "
         f"{args.epochs} epochs with seeds {seeds} on the `small` synthetic ImageNet-like set (1500 training images, "
@@ -301,7 +319,9 @@ def write_table(runs: dict[str, list[dict]], recipes: list[str], out: Path, args
         f"gain is ≥ {MARGIN:.0f} points; `within spread` marks rows whose mean gain is less than one standard "
         f"deviation from the margin. Machine: {cpu_name()}, {os.cpu_count()} CPU cores, one thread per process; "
         "`min`, `img/s`: mean per run, slower under load (`load`: the highest 5-minute load average when a "
-        "pretraining ended).",
+        "pretraining ended); `git`: the commits the row's runs were measured at.",
+        "",
+        summary(runs),
         "",
         "| recipe | method | seeds | kNN top-1 | random kNN | gain | margin | probe top-1 | random probe | min | "
         "img/s | peak MiB | load | config (seed 0) | git |",

@@ -48,5 +48,5 @@ def test_grid_rows_resume_and_both_tables_share_the_file(tmp_path, monkeypatch):
     argv = ["--recipes", "tiny_simclr", "--data", str(data), "--work", str(tmp_path / "l"), "--out", str(out)]
     learning.main([*argv, "--seeds", "1"])
     text = out.read_text()
-    assert text.startswith("# Every method learns") and "| 16 | 41.5 ± 0.7" in text
+    assert text.startswith("# Does every method learn?") and "| 16 | 41.5 ± 0.7" in text
     assert text.count(learning.SECTION_MARK) == 1
