@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,6 +59,10 @@ def _git_sha() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def run_logged(cmd: list[str], log: Path) -> tuple[float, float]:
     """Run ``cmd`` (output to ``log``); (wall seconds, peak RSS in MiB of the process tree, sampled)."""
     import psutil
@@ -82,7 +87,16 @@ def run_logged(cmd: list[str], log: Path) -> tuple[float, float]:
 
         watcher = threading.Thread(target=sample, daemon=True)
         watcher.start()
-        code = proc.wait()
+        # SIGTERM's default action ends this process at once, orphaning the run, which would go on
+        # writing into a folder the next benchmark resumes: raise instead, so `finally` stops it.
+        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+        try:
+            code = proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
         watcher.join()
     if code != 0:
         tail = "\n".join(log.read_text().splitlines()[-8:])

@@ -5,6 +5,11 @@ gain is within one standard deviation of it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
+import psutil
 import pytest
 
 from benchmarks import learning
@@ -120,3 +125,26 @@ def test_the_config_hash_follows_the_recipe_not_the_paths():
     assert a == learning.config_hash("tiny_simclr", 6, extra=elsewhere)  # paths and the monitor's settings
     assert a != learning.config_hash("tiny_simclr", 6, extra=("method.temperature=0.3",))  # what trains
     assert a != learning.config_hash("tiny_simclr", 6, seed=1)
+
+
+def test_a_benchmark_stopped_with_sigterm_stops_the_run_it_started(tmp_path):
+    """`kill` (SIGTERM) on the benchmark must not leave its pretraining running on into a run folder
+    that the next benchmark resumes or deletes."""
+    pid_file = tmp_path / "child.pid"
+    child_code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    parent_code = (
+        "import sys; from pathlib import Path; from benchmarks.learning import run_logged; "
+        f"run_logged([sys.executable, '-c', {child_code!r}], Path({str(tmp_path / 'run.log')!r}))"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=learning.ROOT)
+    deadline = time.time() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    child = psutil.Process(int(pid_file.read_text()))
+    assert child.is_running()  # control: the benchmark's run is live before the signal
+    parent.terminate()
+    parent.wait(timeout=60)
+    gone, alive = psutil.wait_procs([child], timeout=10)
+    for proc in alive:
+        proc.kill()
+    assert not alive, "the benchmark's child outlived it"
