@@ -278,8 +278,12 @@ def verdict(gains: list[float]) -> str:
     return word + (" (within spread)" if std is not None and abs(mean - MARGIN) < std else "")
 
 
+def knn_gains(runs: list[dict]) -> list[float]:
+    return [r["knn_top1"] - r["random_knn_top1"] for r in runs]
+
+
 def table_line(recipe: str, runs: list[dict]) -> str:
-    gains = [r["knn_top1"] - r["random_knn_top1"] for r in runs]
+    gains = knn_gains(runs)
     first = runs[0]
     cells = [
         recipe,
@@ -304,15 +308,14 @@ def table_line(recipe: str, runs: list[dict]) -> str:
 def summary(runs: dict[str, list[dict]]) -> str:
     """One sentence over the measured rows: how many clear the margin, and the probe's gains, which
     tell a backbone that learned little from one whose kNN neighbourhoods are not yet class-pure."""
-    rows = {recipe: measured for recipe, measured in runs.items() if measured}
-    if not rows:
+    if not runs:
         return "No row measured yet."
-    verdicts = [verdict([r["knn_top1"] - r["random_knn_top1"] for r in measured]) for measured in rows.values()]
+    verdicts = [verdict(knn_gains(measured)) for measured in runs.values()]
     clear = [v for v in verdicts if v.startswith("✓")]
     below = [v for v in verdicts if not v.startswith("✓")]
-    probe = [statistics.fmean(r["linear_top1"] - r["random_linear_top1"] for r in m) for m in rows.values()]
+    probe = [statistics.fmean(r["linear_top1"] - r["random_linear_top1"] for r in m) for m in runs.values()]
     return (
-        f"{len(clear)} of {len(rows)} measured rows clear the {MARGIN:.0f}-point kNN margin "
+        f"{len(clear)} of {len(runs)} measured rows clear the {MARGIN:.0f}-point kNN margin "
         f"({sum('within spread' in v for v in clear)} of them within spread); {len(below)} are below it "
         f"({sum('within spread' in v for v in below)} of them within spread). The mean linear-probe gain over "
         f"random init lies between {min(probe):+.1f} and {max(probe):+.1f} points across the rows."
@@ -320,6 +323,8 @@ def summary(runs: dict[str, list[dict]]) -> str:
 
 
 def write_table(runs: dict[str, list[dict]], recipes: list[str], out: Path, args) -> None:
+    # Only the listed recipes: rows of a recipe since deleted stay on disk but not in the figures.
+    runs = {recipe: runs[recipe] for recipe in recipes if runs.get(recipe)}
     seeds = ", ".join(map(str, range(args.seeds)))
     lines = [
         "# Does every method learn? Tiny recipes on the synthetic data",

@@ -5,6 +5,7 @@ gain is within one standard deviation of it."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import time
@@ -148,3 +149,12 @@ def test_a_benchmark_stopped_with_sigterm_stops_the_run_it_started(tmp_path):
     for proc in alive:
         proc.kill()
     assert not alive, "the benchmark's child outlived it"
+
+
+def test_rows_of_a_recipe_no_longer_listed_stay_out_of_the_summary(tmp_path):
+    runs = {"tiny_simclr": [_row("tiny_simclr", 66.0)], "tiny_deleted": [_row("tiny_deleted", 20.0)]}
+    out = tmp_path / "learning.md"
+    args = argparse.Namespace(seeds=1, epochs=6)
+    learning.write_table(runs, ["tiny_simclr"], out, args)
+    text = out.read_text()
+    assert "1 of 1 measured rows clear the 5-point kNN margin" in text and "tiny_deleted" not in text
