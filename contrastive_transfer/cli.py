@@ -2,7 +2,8 @@
 
 - ``UserError``: an expected failure (bad input, a path that cannot be used, a run that diverged).
   ``@command`` turns it, and any ``OSError`` (missing file, permission, full disk: the environment,
-  not a bug), into one line ``error: ...`` and exit code 1. ``--debug`` (or ``CT_DEBUG=1``) shows
+  not a bug), into one line ``error: ...`` and exit code 1, as it does for a collective that failed
+  because another process of the run is gone (``peer_lost``). ``--debug`` (or ``CT_DEBUG=1``) shows
   the traceback instead. Anything else is a bug and keeps its traceback.
 - ``ensure_writable_dir`` proves an output location usable before any work starts.
 - ``OutputLock`` makes a run the only one writing into its output directory.
@@ -51,6 +52,31 @@ def _worker_error(error: BaseException) -> str | None:
     return last[len(prefix) :] if last.startswith(prefix) else last
 
 
+# What torch's process groups raise when a peer process or node is gone: gloo's transport errors
+# are plain RuntimeErrors, so their text is the only sign (NCCL's and the store's have their own types).
+_PEER_LOST_TYPES = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+_PEER_LOST_TEXTS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """One line for a collective that failed because another process stopped, else None."""
+    if "torch.distributed" not in sys.modules or not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    if type(error).__name__ not in _PEER_LOST_TYPES and not any(t in text for t in _PEER_LOST_TEXTS):
+        return None
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    return (
+        f"lost contact with another process of the run ({first[:200]}): a process or node stopped, so this one "
+        "stops too; its log says why. Relaunch to continue from the last checkpoint"
+    )
+
+
 def describe(error: BaseException) -> str:
     """One line for an expected failure; an OSError names its path and the system's reason."""
     original = _worker_error(error)
@@ -82,6 +108,11 @@ def command(main: Callable[..., object]) -> Callable[..., object]:
             if debug:
                 raise
             raise SystemExit(f"error: {describe(e)}") from None
+        except RuntimeError as e:
+            lost = None if debug else peer_lost(e)
+            if lost is None:
+                raise
+            raise SystemExit(f"error: {lost}") from None
 
     return wrapper
 

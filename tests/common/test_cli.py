@@ -147,3 +147,15 @@ def test_output_folder_options_take_both_spellings():
     together = re.compile(r"--out [A-Z_]+, --output-dir |--output-dir [A-Z_]+, --out ")
     for name, text in helps.items():
         assert together.search(text), f"python -m {name}: --out and --output-dir are not one option:\n{text[:1500]}"
+
+
+def test_a_lost_peer_is_one_line_and_other_runtime_errors_keep_their_traceback():
+    import torch.distributed  # noqa: F401  (peer_lost only speaks when torch.distributed is loaded)
+
+    from contrastive_transfer.cli import peer_lost
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:32965. GLHF!\nmore")
+    line = peer_lost(gloo)
+    assert line is not None and "\n" not in line and "Connection closed by peer" in line
+    assert peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None  # a bug stays a bug
+    assert peer_lost(ValueError("Connection closed by peer")) is None

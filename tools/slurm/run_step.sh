@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sourced by the sbatch scripts beside it: `run_step CMD...` runs CMD as a job step (srun, one task
+# per node) and requeues the job when SLURM signals it.
+#
+# The scripts ask for `#SBATCH --signal=B:USR1@180`: 180 s before the time limit SLURM sends SIGUSR1
+# to this batch shell only. The trap forwards it to srun as SIGTERM; srun passes it to its tasks,
+# torchrun (or Accelerate, or detectron2's launcher) passes it to the training processes, which
+# finish their step, write a checkpoint and exit (docs/failsafe.md). Then the job is requeued
+# (`#SBATCH --requeue`): it starts again with the same SLURM_JOB_ID and arguments, and
+# `train.resume=auto` (pretraining) or `--resume` (detection) continues from that checkpoint. A
+# preemption (SIGTERM to the whole job) takes the same path.
+set -uo pipefail
+# torchrun waits this long for its workers to save after passing the signal on, then kills them
+# (its default is 30 s): keep it below the --signal lead time.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-150}
+
+run_step() {
+  local signalled=0 rc step
+  # shellcheck disable=SC2064
+  trap 'signalled=1; kill -TERM "$step" 2>/dev/null' USR1 TERM
+  srun --ntasks-per-node 1 --kill-on-bad-exit=1 "$@" &
+  step=$!
+  wait "$step"; rc=$?
+  while kill -0 "$step" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the step itself
+    wait "$step"; rc=$?
+  done
+  trap - USR1 TERM
+  if [ "$signalled" = 1 ]; then
+    echo "$(date -Is) signalled: step exited with $rc; requeueing job ${SLURM_JOB_ID}" >&2
+    scontrol requeue "${SLURM_JOB_ID}"
+    exit 0
+  fi
+  return "$rc"
+}
