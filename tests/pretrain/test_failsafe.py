@@ -48,7 +48,7 @@ def fails(out: Path, root: Path, *overrides: str) -> str:
 
 
 def usable(path: Path) -> bool:
-    params = [v for v in read_training_state(path)["method"].values() if v.is_floating_point()]
+    params = [v for v in read_training_state(path)["method_state"].values() if v.is_floating_point()]
     return all(torch.isfinite(p).all() for p in params) and torch.isfinite(
         sum(p.double().square().sum() for p in params)
     )
