@@ -155,8 +155,16 @@ def _changes(key: str, was: Any, now: Any, default: Any) -> Iterator[tuple[str, 
         default = default if isinstance(default, dict) else {}
         for k in [*was, *(k for k in now if k not in was)]:
             yield from _changes(f"{key}.{k}", was.get(k, _ABSENT), now.get(k, _ABSENT), default.get(k, _ABSENT))
+    elif isinstance(was, list) and isinstance(now, list) and len(was) == len(now) and _all_dicts(was + now):
+        # the views: name the op that differs
+        for i, (a, b) in enumerate(zip(was, now)):
+            yield from _changes(f"{key}.{i}", a, b, _ABSENT)
     elif was != now:
         yield key, was, now
+
+
+def _all_dicts(items: list) -> bool:
+    return all(isinstance(item, dict) for item in items)
 
 
 def _check_same_setup(path: Path, saved: dict, cfg) -> None:
