@@ -173,7 +173,9 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     defaults = config_defaults(OmegaConf.select(user, "method.name"), OmegaConf.select(user, "method.loss.name"))
     defaults.name = path.stem
     if "loss" in defaults.method and OmegaConf.select(user, "method.loss") is not None:
-        user.method.loss = drop_other_losses_defaults(OmegaConf.to_container(user.method.loss))
+        user.method.loss = drop_other_losses_defaults(
+            OmegaConf.to_container(user.method.loss), defaults.method.loss.name
+        )
         _check_foreign_loss_options(user.method.loss, defaults.method.loss.name)
     OmegaConf.set_struct(defaults, True)
     try:

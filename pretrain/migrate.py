@@ -69,12 +69,12 @@ def upgrade_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-def drop_other_losses_defaults(loss: dict) -> dict:
-    """The ``method.loss`` section without the options that belong to another loss than its
-    ``name`` and hold that loss's default (a recipe of one loss switched to another with
+def drop_other_losses_defaults(loss: dict, chosen: str) -> dict:
+    """The ``method.loss`` section of a run of loss ``chosen`` without the options that belong to
+    other losses and hold their defaults (a recipe of one loss switched to another with
     ``method.loss.name=...``; a config saved when every loss's options were present). Any other
     foreign option stays, for the config's check to name."""
-    options = LOSSES[loss["name"]].config_keys if loss.get("name") in LOSSES else {}
+    options = LOSSES[chosen].config_keys if chosen in LOSSES else {}
 
     def foreign_default(key: str, value: Any) -> bool:
         return key not in options and any(
@@ -89,7 +89,7 @@ def upgrade_saved(config: dict) -> dict:
     config = upgrade(config)
     loss = (config.get("method") or {}).get("loss")
     if isinstance(loss, dict):
-        config["method"]["loss"] = drop_other_losses_defaults(loss)
+        config["method"]["loss"] = drop_other_losses_defaults(loss, loss.get("name"))
     data = config.get("data")
     if isinstance(data, dict) and "augmentation" in data:
         views = data.get("views")

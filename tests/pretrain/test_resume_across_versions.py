@@ -107,6 +107,9 @@ def test_old_spellings_give_the_new_config(tmp_path):
     old = load_config(RECIPES / "tiny_dclw.yaml", ["method.dclw_sigma=0.3", "method.dclw_per_process=true"])
     assert old == new
     assert load_config(RECIPES / "tiny_dclw.yaml", ["method.loss=dcl"]).method.loss == {"name": "dcl"}
+    # SiMo's own α can be turned off with either spelling (null is also InfoNCE's registry default)
+    for override in ("method.loss.eqco_alpha=null", "method.eqco_alpha=null"):
+        assert load_config(RECIPES / "tiny_simo.yaml", [override]).method.loss.eqco_alpha is None, override
     own = tmp_path / "mine.yaml"  # a user's recipe of the old spelling on today's project recipe
     own.write_text(f"_base_: {RECIPES / 'tiny_simclr.yaml'}\nmethod:\n  loss: dclw\n  dclw_sigma: 0.3\n")
     assert OmegaConf.to_container(load_config(own).method.loss) == {
