@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pretrain.augment.views import resolve, with_min_crop_scale
+from pretrain.augment.views import ViewError, resolve, with_min_crop_scale
 from pretrain.losses import LOSSES
 
 # old key directly under `method:` → its key under `method.loss`
@@ -74,7 +74,7 @@ def drop_other_losses_defaults(loss: dict, chosen: str) -> dict:
     other losses and hold their defaults (a recipe of one loss switched to another with
     ``method.loss.name=...``; a config saved when every loss's options were present). Any other
     foreign option stays, for the config's check to name."""
-    options = LOSSES[chosen].config_keys if chosen in LOSSES else {}
+    options = LOSSES[chosen].config_keys if isinstance(chosen, str) and chosen in LOSSES else {}
 
     def foreign_default(key: str, value: Any) -> bool:
         return key not in options and any(
@@ -86,13 +86,19 @@ def drop_other_losses_defaults(loss: dict, chosen: str) -> dict:
 
 def upgrade_saved(config: dict) -> dict:
     """A checkpoint's saved config (complete, resolved) as today's ``load_config`` would give it."""
+    if not isinstance(config, dict):
+        return config
     config = upgrade(config)
-    loss = (config.get("method") or {}).get("loss")
+    method = config.get("method")
+    loss = method.get("loss") if isinstance(method, dict) else None
     if isinstance(loss, dict):
         config["method"]["loss"] = drop_other_losses_defaults(loss, loss.get("name"))
     data = config.get("data")
     if isinstance(data, dict) and "augmentation" in data:
-        views = data.get("views")
-        views = resolve(data["augmentation"], views) if views is None else views
-        data["views"] = with_min_crop_scale(views, data.get("min_crop_scale"))
+        try:  # a file from elsewhere may hold anything here: what cannot be upgraded is compared as it is
+            views = resolve(data["augmentation"], data.get("views"))
+            scale = data.get("min_crop_scale")
+            data["views"] = with_min_crop_scale(views, scale if isinstance(scale, (int, float)) else None)
+        except (ViewError, TypeError, ValueError, AttributeError):
+            pass
     return config

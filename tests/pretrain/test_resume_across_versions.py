@@ -131,3 +131,16 @@ def test_adding_a_loss_or_an_option_changes_nothing_for_the_others(monkeypatch):
     for recipe, cfg in before.items():
         assert OmegaConf.to_yaml(load_config(RECIPES / f"{recipe}.yaml")) == OmegaConf.to_yaml(cfg), recipe
     assert load_config(RECIPES / "tiny_dcl.yaml").method.loss == {"name": "dcl", "toy_option": 1}  # the control
+
+
+def test_a_saved_config_that_cannot_be_upgraded_is_refused_in_one_line(old_run):
+    """A checkpoint from elsewhere may hold anything as its config: it is compared as it stands."""
+    cfg = _cfg(old_run)
+    for saved in (
+        {"method": 3, "data": {"augmentation": "nope", "views": [5], "min_crop_scale": "x"}},
+        {"method": {"name": "simclr", "loss": {"name": ["infonce"]}}},
+        {"method": {"name": "simclr", "loss": 5}},
+    ):
+        with pytest.raises(ResumeError, match="^checkpoint .* was written with method") as e:
+            _check_same_setup(OLD, saved, cfg)
+        assert "\n" not in str(e.value)
