@@ -233,13 +233,13 @@ def config_defaults(method: Any, loss: Any = None) -> DictConfig:
     """Every key a run of ``method`` (with ``loss``, None: the method's own) may set, at its default:
     the engine's, the method's and the chosen loss's options only, so that adding a loss or an
     option changes nothing for the others."""
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ConfigError(f"method.name={method!r}: expected one of {sorted(METHODS)}")
     defaults = OmegaConf.create(ENGINE_DEFAULTS)
     own = copy.deepcopy(METHODS[method].defaults)
     if "loss" in own:  # an InfoNCE host: its loss's options, with the method's values for its own loss
         loss = own["loss"]["name"] if loss is None else loss
-        if loss not in LOSSES:
+        if not isinstance(loss, str) or loss not in LOSSES:
             raise ConfigError(f"method.loss.name={loss!r}: expected one of {list(LOSSES)}")
         given = own["loss"] if own["loss"]["name"] == loss else {}
         own["loss"] = {**LOSSES[loss].config_keys, **given, "name": loss}
