@@ -82,8 +82,9 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             f"recipes (configs/pretrain/): {', '.join(recipes)}\n"
-            "keys and their defaults: pretrain/config.py (engine) and each method's `defaults` in "
-            "pretrain/methods/; docs/methods.md explains them.\n" + DEBUG_HELP
+            "keys and their defaults: pretrain/config.py (engine), each method's `defaults` in "
+            "pretrain/methods/ and each loss's options (method.loss) in pretrain/losses/registry.py; "
+            "docs/methods.md explains them.\n" + DEBUG_HELP
         ),
     )
 
