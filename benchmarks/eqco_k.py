@@ -49,7 +49,7 @@ def overrides(loss: str, k: int) -> list[str]:
         return []
     out = [f"method.num_negatives={k}"]
     if loss == "eqco":
-        out.append(f"method.eqco_alpha={ALPHA}")
+        out.append(f"method.loss.eqco_alpha={ALPHA}")
     return out
 
 

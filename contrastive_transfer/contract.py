@@ -16,9 +16,12 @@ Both files a pretraining run writes carry the same record at their top level::
                        figure names exactly the weights it measured (absent in older files)
     method, step, git_sha, config
 
-``checkpoint_final.pth`` is the record alone. ``checkpoint_last.pth`` (and ``checkpoint_prev.pth``)
-add the training state (the method's state_dict, optimizer, scaler, RNG states, ...; marked by
-``TRAINING_STATE_KEYS``), which only ``pretrain`` reads: a reader of weights never parses a method's internals.
+``method`` is the method's name in every file. ``checkpoint_final.pth`` is the record alone.
+``checkpoint_last.pth`` (and ``checkpoint_prev.pth``) add the training state (the method's
+state_dict as ``method_state``, optimizer, scaler, RNG states, ...; marked by ``TRAINING_STATE_KEYS``),
+which only ``pretrain`` reads: a reader of weights never parses a method's internals. Files written
+before ``method_state`` had that name hold the state_dict under ``method``; ``training_state`` reads
+both.
 
 Torch is imported inside the functions that need it, so a command's ``--help`` does not wait for it.
 """
@@ -38,7 +41,8 @@ if TYPE_CHECKING:
 BACKBONE_FORMAT = "contrastive-transfer/backbone/v1"
 _FORMAT_FAMILY = BACKBONE_FORMAT.rsplit("/", 1)[0] + "/"
 FINAL_NAME, LAST_NAME, PREV_NAME = "checkpoint_final.pth", "checkpoint_last.pth", "checkpoint_prev.pth"
-TRAINING_STATE_KEYS = frozenset({"method", "optimizer", "step"})  # present in every training state
+METHOD_STATE = "method_state"  # the method's state_dict in a training state
+TRAINING_STATE_KEYS = frozenset({METHOD_STATE, "optimizer", "step"})  # present in every training state
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,24 @@ def backbone_record(
         "git_sha": git_sha,
         "config": config,
     }
+
+
+def training_state(ckpt: object) -> dict | None:
+    """A loaded ``checkpoint_last.pth`` with today's keys, or None when it is not a training state.
+
+    Until the training state's ``method_state`` had its own name it was saved under ``method``, the
+    key that names the method in the record (and overwrote that name): such a file gets its
+    state_dict moved to ``method_state`` and ``method`` back as the name its saved config gives."""
+    if not isinstance(ckpt, Mapping):
+        return None
+    state = dict(ckpt)
+    if METHOD_STATE not in state and isinstance(state.get("method"), Mapping):
+        state[METHOD_STATE] = state.pop("method")
+        config = state.get("config")
+        section = config.get("method") if isinstance(config, Mapping) else None
+        if isinstance(section, Mapping) and isinstance(section.get("name"), str):
+            state["method"] = section["name"]
+    return state if TRAINING_STATE_KEYS <= state.keys() else None
 
 
 def weights_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:

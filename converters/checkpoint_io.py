@@ -29,12 +29,13 @@ from torch import nn
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import (
     ARCHS,
+    METHOD_STATE,
     STEM_KERNELS,
-    TRAINING_STATE_KEYS,
     FormatError,
     pretraining_image_size,
     read_backbone_record,
     resnet_backbone,
+    training_state,
     weights_sha256,
 )
 from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
@@ -209,7 +210,7 @@ def _describe(ckpt) -> str:
     hints = sorted(
         {
             k
-            for path in ("", "state_dict", "model", "method")
+            for path in ("", "state_dict", "model", METHOD_STATE, "method")  # "method": older training states
             for k in (_container(ckpt, path) or {})
             if k.endswith("conv1.weight")
         }
@@ -346,7 +347,7 @@ def _read_backbone(ckpt, record: dict | None, source: str, encoder: str, layout:
             if layout == "auto"
             else f"not in the {layout!r} layout ({LAYOUTS[layout].description})"
         )
-        if isinstance(ckpt, Mapping) and TRAINING_STATE_KEYS <= ckpt.keys():
+        if training_state(ckpt) is not None:
             which = (
                 "a training checkpoint of this project written before it carried the backbone record; "
                 "convert the run's checkpoint_final.pth, or resume the run once to rewrite it"

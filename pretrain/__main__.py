@@ -82,8 +82,9 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             f"recipes (configs/pretrain/): {', '.join(recipes)}\n"
-            "keys and their defaults: pretrain/config.py (engine) and each method's `defaults` in "
-            "pretrain/methods/; docs/methods.md explains them.\n" + DEBUG_HELP
+            "keys and their defaults: pretrain/config.py (engine), each method's `defaults` in "
+            "pretrain/methods/ and each loss's options (method.loss) in pretrain/losses/registry.py; "
+            "docs/methods.md explains them.\n" + DEBUG_HELP
         ),
     )
 
@@ -96,18 +97,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--print-config",
         action="store_true",
-        help="print the fully resolved config (YAML, loadable as a recipe) and exit",
+        help="print the resolved config as the run saves it in config.yaml (YAML, loadable as a recipe) and exit",
     )
     args = p.parse_args(argv)
-    if args.print_config:
-        from omegaconf import OmegaConf
-
-        print(OmegaConf.to_yaml(load_config(args.config, args.overrides, launched_processes())), end="")
-        return
-    check_launch()
+    if not args.print_config:
+        check_launch()
     num_processes = launched_processes()
     cfg = load_config(args.config, args.overrides, num_processes)
     precision, note = resolve_mixed_precision(cfg)
+    cfg.train.mixed_precision = precision  # what runs: in config.yaml, the checkpoints and --print-config
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg), end="")  # as the run writes config.yaml
+        return
 
     from datetime import timedelta
 
@@ -135,7 +138,6 @@ def main(argv: list[str] | None = None) -> None:
         )
     if note:
         accelerator.print(note)
-    cfg.train.mixed_precision = precision  # what runs, in config.yaml and the checkpoints
     train(cfg, accelerator)
 
 

@@ -2,8 +2,8 @@
 
 Both files carry the backbone record of ``contrastive_transfer.contract`` (the format every reader
 of weights uses). ``checkpoint_last.pth`` (rewritten atomically, the previous one kept as
-``checkpoint_prev.pth``) adds the training state: the method's full state_dict (encoders, momentum
-encoders, queues and pointers), the optimizer, the fp16 scaler, the RNG states of every rank and the
+``checkpoint_prev.pth``) adds the training state: the method's full state_dict (``method_state``:
+encoders, momentum encoders, queues and pointers), the optimizer, the fp16 scaler, the RNG states of every rank and the
 global step. ``checkpoint_final.pth`` is the record alone.
 """
 
@@ -14,7 +14,7 @@ import random
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -24,12 +24,16 @@ from omegaconf import OmegaConf
 from contrastive_transfer.cli import UserError, atomic_write
 from contrastive_transfer.contract import (
     LAST_NAME,
+    METHOD_STATE,
     PREV_NAME,
     TRAINING_STATE_KEYS,
     backbone_record,
+    training_state,
 )
 from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
 from pretrain import dist
+from pretrain.config import config_defaults
+from pretrain.migrate import upgrade_saved
 
 
 class ResumeError(UserError):
@@ -105,19 +109,20 @@ def save_training_state(path: Path, accelerator, method, optimizer, step: int, s
         atomic_save(
             {
                 **record(method, cfg, step),
-                "method": method.state_dict(),
+                METHOD_STATE: method.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "rng": rngs,
                 "steps_per_epoch": steps_per_epoch,
-            },  # "step" and "config" come with the record
+            },  # "step", "config" and "method" (its name) come with the record
             path,
         )
     accelerator.wait_for_everyone()
 
 
 # A resume continues the same run: these keys must not change in between (the rest may, e.g.
-# train.max_steps or logging cadence).
+# train.max_steps or logging cadence). The saved config is first brought to today's spelling
+# (pretrain.migrate); a key it lacks is no change where this run holds the key's default.
 RESUME_INVARIANT_KEYS = (
     "method",
     "model",
@@ -142,15 +147,37 @@ def _select(tree: dict, dotted: str, missing=None):
     return tree
 
 
+def _changes(key: str, was: Any, now: Any, default: Any) -> Iterator[tuple[str, Any, Any]]:
+    """(key, saved value, current value) of every difference between two config trees."""
+    if was is _ABSENT and now == default:
+        return  # a key added after the checkpoint was written, at its default
+    if isinstance(was, dict) and isinstance(now, dict):
+        default = default if isinstance(default, dict) else {}
+        for k in [*was, *(k for k in now if k not in was)]:
+            yield from _changes(f"{key}.{k}", was.get(k, _ABSENT), now.get(k, _ABSENT), default.get(k, _ABSENT))
+    elif isinstance(was, list) and isinstance(now, list) and len(was) == len(now) and _all_dicts(was + now):
+        # the views: name the op that differs
+        for i, (a, b) in enumerate(zip(was, now)):
+            yield from _changes(f"{key}.{i}", a, b, _ABSENT)
+    elif was != now:
+        yield key, was, now
+
+
+def _all_dicts(items: list) -> bool:
+    return all(isinstance(item, dict) for item in items)
+
+
 def _check_same_setup(path: Path, saved: dict, cfg) -> None:
+    saved = upgrade_saved(saved)
     current = OmegaConf.to_container(cfg)
-    for key in RESUME_INVARIANT_KEYS:
-        was, now = _select(saved, key, _ABSENT), _select(current, key)
-        if was is _ABSENT and key in _select(current, key.rsplit(".", 1)[0], {}):
-            continue  # a key added after the checkpoint was written (e.g. data.views): nothing to compare
-        if was != now:
+    defaults = OmegaConf.to_container(config_defaults(cfg.method.name, OmegaConf.select(cfg, "method.loss.name")))
+    for invariant in RESUME_INVARIANT_KEYS:
+        trees = (_select(t, invariant, _ABSENT) for t in (saved, current, defaults))
+        for key, was, now in _changes(invariant, *trees):
+            before = f"without {key}" if was is _ABSENT else f"with {key}={was}"
+            after = f"no {key}" if now is _ABSENT else f"{key}={now}"
             raise ResumeError(
-                f"checkpoint {path} was written with {key}={was}, this run has {key}={now}: "
+                f"checkpoint {path} was written {before}, this run has {after}: "
                 "resume with the same setting, or start afresh with train.resume=none "
                 "or another train.output_dir"
             )
@@ -167,12 +194,13 @@ def read_training_state(path: Path) -> dict:
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ResumeError(f"cannot read checkpoint {path} ({first})") from None
-    if not isinstance(state, dict) or not TRAINING_STATE_KEYS <= state.keys():
+    upgraded = training_state(state)  # older files name the method's state_dict "method"
+    if upgraded is None:
         raise ResumeError(
             f"{path} is not a training checkpoint (expected the keys {', '.join(sorted(TRAINING_STATE_KEYS))}; "
             "checkpoint_final.pth cannot be resumed, use checkpoint_last.pth)"
         )
-    return state
+    return upgraded
 
 
 def load_training_state(path: Path, accelerator, method, optimizer, steps_per_epoch: int, cfg, state: dict) -> int:
@@ -185,7 +213,7 @@ def load_training_state(path: Path, accelerator, method, optimizer, steps_per_ep
         )
     _check_same_setup(path, state.get("config") or {}, cfg)
     try:
-        method.load_state_dict(state["method"])
+        method.load_state_dict(state[METHOD_STATE])
         optimizer.load_state_dict(state["optimizer"])
     except (KeyError, ValueError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0]

@@ -2,12 +2,15 @@
 inheritance, dotted ``key=value`` overrides, and validation that fails at start with one line.
 
 A recipe names its method (``method.name``); the method's own keys and defaults come from its
-class in ``pretrain.methods`` (``Method.defaults``), so a key that neither the engine nor the
-method knows is an error, as are values outside the allowed choices.
+class in ``pretrain.methods`` (``Method.defaults``), and an InfoNCE host's loss options from the
+chosen loss (``method.loss.name``, ``pretrain.losses.LOSSES``) under ``method.loss``, so a key that
+neither the engine, the method nor its loss knows is an error, as are values outside the allowed
+choices. Older spellings are upgraded in one place, ``pretrain.migrate``.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -19,8 +22,10 @@ from contrastive_transfer.contract import ARCHS, KNN_K, KNN_TEMPERATURE, STEMS
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import check_run_name, escapes
 from contrastive_transfer.yaml_limits import compose as compose_yaml
-from pretrain.augment.views import ViewError, resolve
+from pretrain.augment.views import ViewError, resolve, with_min_crop_scale
+from pretrain.losses import LOSSES
 from pretrain.methods import METHODS
+from pretrain.migrate import drop_other_losses_defaults, upgrade, upgrade_overrides
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "name": None,  # run name; defaults to the recipe's file name
@@ -155,29 +160,23 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: int = 1) -> DictConfig:
-    """Resolve a recipe: engine defaults < method defaults < YAML chain < ``key=value`` overrides.
+    """Resolve a recipe: engine defaults < method defaults < YAML chain < ``key=value`` overrides,
+    older spellings upgraded (``pretrain.migrate``), then every derivation (the views in full, the
+    crop scale in them), so that what is printed and saved is what runs.
 
     Raises ConfigError (one line naming the key and the allowed values) for unknown keys,
     unknown methods, values outside their choices and impossible settings.
     """
     path = Path(path)
-    user = _read_yaml(path)
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. train.batch_size=64)")
-    given = OmegaConf.from_dotlist(list(overrides))
-    for key, value in _strings(OmegaConf.to_container(given, resolve=False)):
-        if _RESOLVER_CALL.search(value):
-            raise ConfigError(f"override {key}={value!r} calls a resolver; give the value itself")
-    if "name" in given:
-        check_run_name(given.name, "override")
-    user = OmegaConf.merge(user, given)
-    name = OmegaConf.select(user, "method.name")
-    if name not in METHODS:
-        raise ConfigError(f"method.name={name!r}: expected one of {sorted(METHODS)}")
-    defaults = OmegaConf.create(ENGINE_DEFAULTS)
-    defaults.method = {"name": name, **METHODS[name].defaults}
+    recipe = upgrade(OmegaConf.to_container(_read_yaml(path), resolve=False))
+    user = OmegaConf.merge(OmegaConf.create(recipe), OmegaConf.create(upgrade(_parse_overrides(overrides))))
+    defaults = config_defaults(OmegaConf.select(user, "method.name"), OmegaConf.select(user, "method.loss.name"))
     defaults.name = path.stem
+    if "loss" in defaults.method and OmegaConf.select(user, "method.loss") is not None:
+        user.method.loss = drop_other_losses_defaults(
+            OmegaConf.to_container(user.method.loss), defaults.method.loss.name
+        )
+        _check_foreign_loss_options(user.method.loss, defaults.method.loss.name)
     OmegaConf.set_struct(defaults, True)
     try:
         cfg = OmegaConf.merge(defaults, user)
@@ -185,7 +184,8 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
         parent = e.full_key.rsplit(".", 1)[0] if "." in e.full_key else ""
         node = OmegaConf.select(defaults, parent) if parent else defaults
         raise ConfigError(
-            f"unknown key {e.full_key!r} (method {name}): allowed keys"
+            f"unknown key {e.full_key!r} (method {defaults.method.name}"
+            f"{', loss ' + defaults.method.loss.name if parent == 'method.loss' else ''}): allowed keys"
             f"{' under ' + parent if parent else ''}: {sorted(node.keys())}"
         ) from None
     except OmegaConfBaseException as e:
@@ -193,12 +193,65 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     OmegaConf.resolve(cfg)
     if cfg.train.mixed_precision is False:  # YAML reads a bare `no` as false
         cfg.train.mixed_precision = "no"
-    try:  # the views in full, so that config.yaml and --print-config show what runs
-        cfg.data.views = resolve(cfg.data.augmentation, cfg.data.views)
+    try:  # the views in full, with the crop scale that runs: config.yaml and --print-config show them
+        views = resolve(cfg.data.augmentation, cfg.data.views)
     except ViewError as e:
         raise ConfigError(str(e)) from None
+    if cfg.data.min_crop_scale is not None:
+        check_min_crop_scale(cfg.data.min_crop_scale)
+    cfg.data.views = with_min_crop_scale(views, cfg.data.min_crop_scale)
     validate(cfg, num_processes)
     return cfg
+
+
+def _parse_overrides(overrides: Iterable[str]) -> dict:
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. train.batch_size=64)")
+    given = OmegaConf.to_container(OmegaConf.from_dotlist(upgrade_overrides(list(overrides))), resolve=False)
+    for key, value in _strings(given):
+        if _RESOLVER_CALL.search(value):
+            raise ConfigError(f"override {key}={value!r} calls a resolver; give the value itself")
+    if "name" in given:
+        check_run_name(given["name"], "override")
+    return given
+
+
+def _check_foreign_loss_options(loss: DictConfig, chosen: str) -> None:
+    """An option of another loss than the chosen one would be silently ignored: one line naming it."""
+    for key, value in loss.items():
+        owners = [name for name, spec in LOSSES.items() if key in spec.config_keys and key != "name"]
+        if owners and key not in LOSSES[chosen].config_keys:
+            default = OmegaConf.to_yaml({"v": LOSSES[owners[0]].config_keys[key]}).strip()[3:]
+            raise ConfigError(
+                f"method.loss.{key}={value}: an option of method.loss.name={' or '.join(owners)} only "
+                f"(this run's loss is {chosen}); remove it or set method.loss.{key}={default}"
+            )
+
+
+def config_defaults(method: Any, loss: Any = None) -> DictConfig:
+    """Every key a run of ``method`` (with ``loss``, None: the method's own) may set, at its default:
+    the engine's, the method's and the chosen loss's options only, so that adding a loss or an
+    option changes nothing for the others."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ConfigError(f"method.name={method!r}: expected one of {sorted(METHODS)}")
+    defaults = OmegaConf.create(ENGINE_DEFAULTS)
+    own = copy.deepcopy(METHODS[method].defaults)
+    if "loss" in own:  # an InfoNCE host: its loss's options, with the method's values for its own loss
+        loss = own["loss"]["name"] if loss is None else loss
+        if not isinstance(loss, str) or loss not in LOSSES:
+            raise ConfigError(f"method.loss.name={loss!r}: expected one of {list(LOSSES)}")
+        given = own["loss"] if own["loss"]["name"] == loss else {}
+        own["loss"] = {**LOSSES[loss].config_keys, **given, "name": loss}
+    defaults.method = {"name": method, **own}
+    return defaults
+
+
+def check_min_crop_scale(scale: Any) -> None:
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale <= 1):
+        raise ConfigError(
+            f"data.min_crop_scale={scale!r}: expected null (the recipe's) or a fraction of the image area in (0, 1]"
+        )
 
 
 def validate(cfg: DictConfig, num_processes: int) -> None:
@@ -223,11 +276,6 @@ def validate(cfg: DictConfig, num_processes: int) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected a positive integer")
     if not 0 <= cfg.optim.final_lr <= cfg.optim.lr:
         raise ConfigError(f"optim.final_lr={cfg.optim.final_lr}: expected a number in [0, optim.lr={cfg.optim.lr}]")
-    scale = cfg.data.min_crop_scale
-    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale <= 1):
-        raise ConfigError(
-            f"data.min_crop_scale={scale!r}: expected null (the recipe's) or a fraction of the image area in (0, 1]"
-        )
     if cfg.data.backend not in ("fast", "torchvision", "device"):
         raise ConfigError(f"data.backend={cfg.data.backend!r}: expected fast, torchvision or device")
     for key in ("train.channels_last", "train.cudnn_benchmark", "train.compile", "data.colour_on_device"):

@@ -22,7 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
 from contrastive_transfer.cli import UserError, atomic_write
+from contrastive_transfer.contract import METHOD_STATE, training_state
 from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
+from pretrain.migrate import upgrade_saved
 
 
 class AnalysisError(UserError, ValueError):
@@ -86,19 +88,20 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         raise AnalysisError(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}") from None
     if not isinstance(state, dict):
         raise AnalysisError(f"checkpoint {path}: expected a dict, got {type(state).__name__}")
-    return state
+    return training_state(state) or state  # a training state with today's keys (older files: "method")
 
 
 def is_training_checkpoint(state: dict) -> bool:
-    """checkpoint_last.pth: the method's state_dict under "method" (the final export has its name)."""
-    return isinstance(state.get("method"), dict) and isinstance(state.get("config"), dict)
+    """checkpoint_last.pth: the method's state_dict under "method_state" (both files name the method
+    under "method")."""
+    return isinstance(state.get(METHOD_STATE), dict) and isinstance(state.get("config"), dict)
 
 
 def rebuild_method(state: dict, path: str | os.PathLike) -> tuple[nn.Module, Any]:
     """The method of a ``checkpoint_last.pth`` with its weights, and its config, on CPU."""
     from pretrain.methods import METHODS
 
-    cfg = OmegaConf.create(state["config"])
+    cfg = OmegaConf.create(upgrade_saved(state["config"]))
     name = OmegaConf.select(cfg, "method.name")
     if name not in METHODS:
         raise AnalysisError(f"checkpoint {path}: method.name={name!r} is not one of {sorted(METHODS)}")
@@ -111,7 +114,7 @@ def rebuild_method(state: dict, path: str | os.PathLike) -> tuple[nn.Module, Any
             "use a checkpoint_last.pth written by this version of the project"
         ) from None
     try:
-        method.load_state_dict(state["method"])
+        method.load_state_dict(state[METHOD_STATE])
     except RuntimeError as e:
         raise AnalysisError(
             f"checkpoint {path}: its method state does not fit {name} ({str(e).strip().splitlines()[0]})"

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
+from contrastive_transfer.contract import METHOD_STATE
 from pretrain.analysis.common import (
     AnalysisError,
     embed,
@@ -142,10 +143,10 @@ def run(
     state = load_checkpoint(checkpoint)
     if not is_training_checkpoint(state):
         raise AnalysisError(
-            f"{checkpoint} is not a training checkpoint (expected the keys method and config, "
+            f"{checkpoint} is not a training checkpoint (expected the keys method_state and config, "
             "as in checkpoint_last.pth)"
         )
-    key, negatives = find_negatives(state["method"], checkpoint)
+    key, negatives = find_negatives(state[METHOD_STATE], checkpoint)
     method, cfg = rebuild_method(state, checkpoint)
     batch_size = int(cfg.train.batch_size)
     num_queries = num_queries or 6 * batch_size
@@ -184,8 +185,8 @@ def run(
         "negative_to_nearest_query_cos": quantiles(nearest_cosine(negatives, queries)),
         "query_to_nearest_other_query_cos": quantiles(nearest_cosine(queries, queries, exclude_self=True)),
     }
-    if "filled" in state["method"]:  # AdCo: columns still random before the bank is filled
-        summary["bank_filled"] = int(state["method"]["filled"])
+    if "filled" in state[METHOD_STATE]:  # AdCo: columns still random before the bank is filled
+        summary["bank_filled"] = int(state[METHOD_STATE]["filled"])
     write_json(out_dir / "negatives.json", summary)
     plot(
         xy,

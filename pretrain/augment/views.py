@@ -230,6 +230,21 @@ def build_view(
     return ViewTransform(ops, IMAGENET_MEAN, IMAGENET_STD)  # it runs the geometric ops first
 
 
+def with_min_crop_scale(views: list[dict], min_crop_scale: float | None) -> list[dict]:
+    """``views`` with ``min_crop_scale`` written into every crop as the lower bound of its scale
+    (what ``build_view`` applies), so that a config shows the crop that runs; None keeps them."""
+    if min_crop_scale is None:
+        return views
+    out = []
+    for view in views:
+        if "crop" in view:
+            crop = dict(view["crop"] or {})
+            crop["scale"] = [min_crop_scale, (crop.get("scale") or OPS["crop"].defaults["scale"])[1]]
+            view = {**view, "crop": crop}
+        out.append(view)
+    return out
+
+
 def to_yaml(views: list[dict]) -> str:
     return OmegaConf.to_yaml(OmegaConf.create({"views": views}))
 

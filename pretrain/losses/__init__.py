@@ -2,8 +2,9 @@
 module (``infonce``, ``eqco``, ``nt_xent``, ``dcl``, ``dual_temperature``, AdCo's ``adversarial``
 bank), the similarities they consume (``similarities``) and their fp32 discipline (``precision``).
 
-``LOSSES`` (``registry``) is what ``method.loss`` chooses on every InfoNCE host, with the options
-each loss reads from the config; the loss modules themselves know nothing of the config."""
+``LOSSES`` (``registry``) is what ``method.loss.name`` chooses on every InfoNCE host, with the
+options each loss reads from its own key ``method.loss``; the loss modules themselves know
+nothing of the config."""
 
 from .adversarial import AdversarialBank, adversary_gradient
 from .dcl import DCLLoss, DCLWLoss, dclw_weights, decoupled_nce
@@ -11,12 +12,11 @@ from .dual_temperature import DualTemperatureLoss, dual_temperature_nce, dual_te
 from .eqco import EqCoLoss, eqco_margin
 from .infonce import ContrastiveLoss, InfoNCELoss, info_nce, mi_lower_bound
 from .nt_xent import NTXentLoss, nt_xent_similarities
-from .registry import LOSS_CONFIG_KEYS, LOSSES, LossSpec, positive_number
+from .registry import LOSSES, LossSpec, positive_number
 from .similarities import SAMPLING_MODES, in_batch_similarities, sample_negatives, similarities
 
 __all__ = [
     "LOSSES",
-    "LOSS_CONFIG_KEYS",
     "LossSpec",
     "ContrastiveLoss",
     "DCLWLoss",

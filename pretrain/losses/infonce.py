@@ -75,8 +75,8 @@ def mi_lower_bound(loss: float | torch.Tensor, alpha_or_k: float) -> float | tor
 
 class ContrastiveLoss(nn.Module):
     """A loss on (N,) positive and (N, K) negative cosines that a host method selects with
-    ``method.loss`` (the options each loss reads from the config are bound in ``registry``); the
-    host only supplies the similarities."""
+    ``method.loss.name`` (the options each loss reads from ``method.loss`` are bound in
+    ``registry``); the host only supplies the similarities."""
 
     temperature: float
 

@@ -5,8 +5,8 @@ Paper: Ting Chen, Simon Kornblith, Mohammad Norouzi, Geoffrey Hinton, "A Simple 
 Contrastive Learning of Visual Representations", ICML 2020, arXiv:2002.05709.
 
 The SimCLR host (``pretrain/methods/simclr.py``) builds these similarities with
-:func:`nt_xent_similarities` and hands them to the loss ``method.loss`` names, so that DCL or dual
-temperature also run on SimCLR's negatives; with ``method.loss: infonce`` that is :class:`NTXentLoss`.
+:func:`nt_xent_similarities` and hands them to the loss ``method.loss.name`` names, so that DCL or
+dual temperature also run on SimCLR's negatives; with ``infonce`` that is :class:`NTXentLoss`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""What ``method.loss`` names on every InfoNCE host, the options each loss reads under ``method:``
-(with their defaults), their checks and how the loss is built from them.
+"""What ``method.loss.name`` names on every InfoNCE host, the options each loss reads under its own
+key ``method.loss`` (with their defaults), their checks and how the loss is built from them.
 
-The losses themselves take plain arguments and know nothing of the config; a new loss is one module
-plus one entry here.
+A run's ``method.loss`` holds the chosen loss's name and that loss's options only, so adding a loss,
+or an option to one, changes nothing for the runs of the others: what they print, save and compare
+on resume. The losses themselves take plain arguments and know nothing of the config; a new loss is
+one module plus one entry here.
 """
 
 from __future__ import annotations
@@ -18,25 +20,26 @@ from .dual_temperature import DualTemperatureLoss
 from .eqco import EqCoLoss
 from .infonce import ContrastiveLoss, InfoNCELoss
 
-__all__ = ["LossSpec", "LOSSES", "LOSS_CONFIG_KEYS", "positive_number"]
+__all__ = ["LossSpec", "LOSSES", "positive_number"]
 
 
-def positive_number(m, key: str) -> None:
-    """ConfigError naming ``method.<key>`` unless it is a positive number."""
-    value = m[key]
+def positive_number(section, key: str, where: str = "method") -> None:
+    """ConfigError naming ``<where>.<key>`` unless it is a positive number."""
+    value = section[key]
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-        raise ConfigError(f"method.{key}={value}: expected a positive number")
+        raise ConfigError(f"{where}.{key}={value}: expected a positive number")
 
 
-def _no_check(m) -> None:
+def _no_check(options) -> None:
     pass
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    """One choice of ``method.loss``. ``from_config(m)`` builds the loss from the ``method:`` section
-    (which always has ``temperature``); ``check(m)`` raises ConfigError naming the key for impossible
-    values of ``config_keys``."""
+    """One choice of ``method.loss.name``. ``from_config(m)`` builds the loss from the ``method:``
+    section (``m.temperature``, and the options in ``m.loss``); ``config_keys`` are the options with
+    their defaults; ``check(options)`` raises ConfigError naming ``method.loss.<key>`` for
+    impossible values."""
 
     from_config: Callable[[Any], ContrastiveLoss]
     config_keys: Mapping[str, Any] = field(default_factory=dict)
@@ -44,14 +47,14 @@ class LossSpec:
 
 
 def _infonce(m) -> ContrastiveLoss:
-    if m.eqco_alpha is None:
+    if m.loss.eqco_alpha is None:
         return InfoNCELoss(float(m.temperature))
-    return EqCoLoss(float(m.temperature), alpha=m.eqco_alpha)
+    return EqCoLoss(float(m.temperature), alpha=m.loss.eqco_alpha)
 
 
-def _check_eqco(m) -> None:
-    if m.eqco_alpha is not None:
-        positive_number(m, "eqco_alpha")
+def _check_eqco(options) -> None:
+    if options.eqco_alpha is not None:
+        positive_number(options, "eqco_alpha", "method.loss")
 
 
 LOSSES: dict[str, LossSpec] = {
@@ -62,20 +65,17 @@ LOSSES: dict[str, LossSpec] = {
     ),
     "dcl": LossSpec(lambda m: DCLLoss(float(m.temperature))),
     "dclw": LossSpec(
-        lambda m: DCLWLoss(float(m.temperature), m.dclw_sigma, bool(m.dclw_detach), bool(m.dclw_per_process)),
+        lambda m: DCLWLoss(float(m.temperature), m.loss.sigma, bool(m.loss.detach), bool(m.loss.per_process)),
         {
-            "dclw_sigma": 0.5,  # σ of the weights
-            "dclw_detach": True,  # weights from detached similarities (lightly); False: they carry gradient
-            "dclw_per_process": False,  # softmax over each process's anchors (lightly's form); default: global batch
+            "sigma": 0.5,  # σ of the weights
+            "detach": True,  # weights from detached similarities (lightly); False: they carry gradient
+            "per_process": False,  # softmax over each process's anchors (lightly's form); default: global batch
         },
-        lambda m: positive_number(m, "dclw_sigma"),
+        lambda options: positive_number(options, "sigma", "method.loss"),
     ),
     "dual_temperature": LossSpec(
-        lambda m: DualTemperatureLoss(float(m.temperature), float(m.inter_temperature)),
+        lambda m: DualTemperatureLoss(float(m.temperature), float(m.loss.inter_temperature)),
         {"inter_temperature": 1.0},  # τ_β
-        lambda m: positive_number(m, "inter_temperature"),
+        lambda options: positive_number(options, "inter_temperature", "method.loss"),
     ),
 }
-# Every loss's own keys with their defaults: a host declares them all, so that method.loss can be
-# switched from the command line without other edits.
-LOSS_CONFIG_KEYS = {key: default for spec in LOSSES.values() for key, default in spec.config_keys.items()}

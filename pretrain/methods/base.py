@@ -4,7 +4,8 @@ A method is an ``nn.Module`` that owns all of its state (encoders, momentum enco
 pointers as buffers), so one ``state_dict`` resumes it. The engine only relies on:
 
 * ``__init__(cfg, num_processes)``: every method is built from the whole config and the process count;
-* ``defaults``: the method's config keys (under ``method:``) with their default values;
+* ``defaults``: the method's config keys (under ``method:``) with their default values (an InfoNCE
+  host's ``loss`` is a section: the chosen loss's name and options, see ``INFONCE_DEFAULTS``);
 * ``check(cfg, num_processes)``: raise ``ConfigError`` for impossible settings, before anything runs;
 * ``sync_bn``: convert BN to SyncBN when several processes run (SimCLR, SiMo); MoCo-style methods
   keep per-process BN with shuffle BN instead;
@@ -31,7 +32,7 @@ from contrastive_transfer.errors import ConfigError
 from pretrain import dist
 from pretrain.augment import build_view_transforms
 from pretrain.diagnostics import contrastive_stats
-from pretrain.losses import LOSS_CONFIG_KEYS, LOSSES, SAMPLING_MODES, positive_number, sample_negatives
+from pretrain.losses import LOSSES, SAMPLING_MODES, positive_number, sample_negatives
 
 
 class Method(nn.Module):
@@ -98,25 +99,22 @@ def check_bn_splits(cfg, num_processes: int) -> None:
         )
 
 
-# Keys of every InfoNCE host. `loss` picks the objective on the same (positive, negatives)
-# similarities (pretrain.losses.LOSSES); each loss brings its own keys (EqCo's `eqco_alpha`, DCLW's
-# `dclw_*`, dual temperature's `inter_temperature`). Sampling fewer negatives applies to any loss.
+# Keys of every InfoNCE host. `loss` holds the objective on the same (positive, negatives)
+# similarities, `loss.name` one of pretrain.losses.LOSSES, with that loss's own options beside its
+# name (EqCo's `eqco_alpha`, DCLW's `sigma`, dual temperature's `inter_temperature`): a host's
+# `loss` default may set them for its default loss (SiMo's α). Sampling fewer negatives applies to
+# any loss.
 INFONCE_DEFAULTS: dict[str, Any] = {
-    "loss": "infonce",  # infonce | dcl | dclw | dual_temperature
+    "loss": {"name": "infonce"},  # infonce | dcl | dclw | dual_temperature, and its options
     "temperature": 0.2,
     "num_negatives": None,  # K negatives drawn per query without replacement; None = all available
     "negative_sampling": "per_query",  # per_query | per_batch
-    **LOSS_CONFIG_KEYS,
 }
 
 
-def _yaml(value) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-
-
 class InfoNCEHost(Method):
-    """A method whose loss contrasts a positive with negatives: InfoNCE (or EqCo) unless ``method.loss``
-    picks another of ``pretrain.losses.LOSSES``."""
+    """A method whose loss contrasts a positive with negatives: InfoNCE (or EqCo) unless
+    ``method.loss.name`` picks another of ``pretrain.losses.LOSSES``."""
 
     @classmethod
     def available_negatives(cls, cfg, num_processes: int) -> int:
@@ -127,17 +125,7 @@ class InfoNCEHost(Method):
     def check(cls, cfg, num_processes: int) -> None:
         m = cfg.method
         positive_number(m, "temperature")
-        if m.loss not in LOSSES:
-            raise ConfigError(f"method.loss={m.loss!r}: expected one of {list(LOSSES)}")
-        chosen = LOSSES[m.loss]
-        for name, loss in LOSSES.items():  # another loss's option set here would be silently ignored
-            for key, default in loss.config_keys.items():
-                if key not in chosen.config_keys and m[key] != default:
-                    raise ConfigError(
-                        f"method.{key}={_yaml(m[key])}: applies to method.loss={name} only (got {m.loss!r}); "
-                        f"set method.{key}={_yaml(default)}"
-                    )
-        chosen.check(m)
+        LOSSES[m.loss.name].check(m.loss)  # the name itself is checked when the config is loaded
         if m.negative_sampling not in SAMPLING_MODES:
             raise ConfigError(
                 f"method.negative_sampling={m.negative_sampling!r}: expected one of {list(SAMPLING_MODES)}"
@@ -155,7 +143,7 @@ class InfoNCEHost(Method):
         self.temperature = float(m.temperature)
         self.num_negatives = m.num_negatives
         self.negative_sampling = m.negative_sampling
-        self.criterion = LOSSES[m.loss].from_config(m)
+        self.criterion = LOSSES[m.loss.name].from_config(m)
 
     def contrast(self, pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The configured loss of (N,) positive and (N, K) negative cosines; returns (loss, diagnostics).

@@ -7,7 +7,7 @@ based).
 
 Both contrast a query with the *current batch* only (no queue) under the dual-temperature
 InfoNCE (``losses/dual_temperature.py``: τ_α = ``temperature`` 0.1 within an anchor, τ_β =
-``inter_temperature`` 1.0 across anchors). Per step, for N local images with views x1, x2:
+``loss.inter_temperature`` 1.0 across anchors). Per step, for N local images with views x1, x2:
 
 SimMoCo = MoCo v2 − queue:
     f_k ← m·f_k + (1−m)·f_q                                      (m = 0.99)
@@ -35,7 +35,7 @@ from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost
 from pretrain.methods.simo import SiMo
 from pretrain.models import build_encoder, embed
 
-DUAL_TEMPERATURE = {"loss": "dual_temperature", "temperature": 0.1, "inter_temperature": 1.0, "eqco_alpha": None}
+DUAL_TEMPERATURE = {"loss": {"name": "dual_temperature", "inter_temperature": 1.0}, "temperature": 0.1}
 
 
 class SimMoCo(SiMo):

@@ -29,7 +29,7 @@ from pretrain.models import build_encoder, embed, momentum_copy, momentum_update
 class SiMo(QueryKeyEncoders, InfoNCEHost):
     defaults = {
         **INFONCE_DEFAULTS,
-        "eqco_alpha": 256,
+        "loss": {"name": "infonce", "eqco_alpha": 256},
         "dim": 128,
         "head": "mlp_hidden_bn",
         "head_out_bn": False,

@@ -25,6 +25,7 @@ def _assert_same_tensors(got: dict, want: dict) -> None:
         "torchvision-ddp-nested",
         "project-final",
         "project-training",
+        "project-training-old",
         "moco-official",
         "mocov3-official",
         "solo-learn",
@@ -151,9 +152,13 @@ def test_the_record_is_checked_against_its_version_and_its_tensors(layout_files,
 def test_a_training_state_without_the_record_is_named_not_parsed(resnet18_pair, tmp_path):
     """Training states written before they carried the record: the converters do not dig into the
     method's attributes, they say which file to convert instead."""
-    old = {"method": _prefixed_sd("encoder_q.backbone.", resnet18_pair[0]), "optimizer": {}, "step": 3}
-    with pytest.raises(CheckpointError, match=r"old\.pth: a training checkpoint .* convert the run's checkpoint_final"):
-        load_backbone(_write(tmp_path, old, "old.pth"))
+    weights = _prefixed_sd("encoder_q.backbone.", resnet18_pair[0])
+    for name, state in {"old": {"method": weights}, "new": {"method": "moco", "method_state": weights}}.items():
+        path = _write(tmp_path, {**state, "optimizer": {}, "step": 3}, f"{name}.pth")
+        with pytest.raises(
+            CheckpointError, match=rf"{name}\.pth: a training checkpoint .* convert the run's checkpoint_f"
+        ):
+            load_backbone(path)
 
 
 def _prefixed_sd(prefix: str, sd: dict) -> dict:

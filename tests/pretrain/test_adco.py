@@ -215,7 +215,7 @@ def test_resume_reproduces_the_bank_and_its_momentum_exactly(synthetic_root, tmp
     def run(out, steps):
         cfg = load_config(RECIPES / "tiny_adco.yaml", [*common, f"train.output_dir={out}", f"train.max_steps={steps}"])
         train(cfg, accelerator)
-        return torch.load(out / "checkpoint_last.pth", weights_only=False)["method"]
+        return torch.load(out / "checkpoint_last.pth", weights_only=False)["method_state"]
 
     straight = run(tmp_path / "a", 4)
     run(tmp_path / "b", 2)

@@ -241,7 +241,7 @@ def test_npc_matches_a_per_anchor_brute_force(tiny_moco, synthetic_root, tmp_pat
     state = torch.load(tiny_moco / "checkpoint_last.pth", map_location="cpu", weights_only=False)
     cfg = OmegaConf.create(state["config"])
     method = METHODS["moco"](cfg, 1)
-    method.load_state_dict(state["method"])
+    method.load_state_dict(state["method_state"])
     encoder = method.encoder_q.eval()
     dataset = ImageDataset(root, build_view_transforms(cfg.data.augmentation, cfg.data.image_size), seed=3)
     tau = cfg.method.temperature
@@ -297,7 +297,9 @@ def test_negatives_of_a_tiny_moco_run(tiny_moco, synthetic_root, tmp_path):
         ]
     )
     rows = _csv(tmp_path / "negatives.csv")
-    queue = torch.load(tiny_moco / "checkpoint_last.pth", map_location="cpu", weights_only=False)["method"]["queue"]
+    queue = torch.load(tiny_moco / "checkpoint_last.pth", map_location="cpu", weights_only=False)["method_state"][
+        "queue"
+    ]
     assert sum(r["kind"] == "negative" for r in rows) == queue.shape[1] == 64
     # whole minibatches of train.batch_size = 8 only: 20 → 16 queries in two minibatches
     assert sorted({r["batch"] for r in rows if r["kind"] == "query"}) == ["0", "1"]

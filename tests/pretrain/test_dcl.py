@@ -142,7 +142,7 @@ def test_dclw_weights_are_global_unless_the_per_process_flag_asks():
         dclw_weights(pos.squeeze(1), 0.5, per_process=True), dclw_weights(pos.squeeze(1), 0.5), rtol=0, atol=0
     )
     flags = {}
-    for overrides in ([], ["method.dclw_per_process=true"]):
+    for overrides in ([], ["method.loss.per_process=true"]):
         criterion = LOSSES["dclw"].from_config(load_config(RECIPES / "tiny_dclw.yaml", overrides).method)
         flags[tuple(overrides)] = criterion.per_process_weights
-    assert flags == {(): False, ("method.dclw_per_process=true",): True}
+    assert flags == {(): False, ("method.loss.per_process=true",): True}

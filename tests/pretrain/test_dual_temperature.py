@@ -97,7 +97,7 @@ def test_simco_is_symmetric_dual_temperature_between_the_two_views_with_gradient
     out = method([x1, x2])
     with torch.no_grad():
         z1, z2 = (F.normalize(method.encoder(x), dim=1) for x in (x1, x2))
-    tau_a, tau_b = cfg.method.temperature, cfg.method.inter_temperature
+    tau_a, tau_b = cfg.method.temperature, cfg.method.loss.inter_temperature
     assert (tau_a, tau_b) == (0.1, 1.0)
     ref = 0.5 * (_dt_loop(z1, z2, tau_a, tau_b) + _dt_loop(z2, z1, tau_a, tau_b))
     assert out["loss"].item() == pytest.approx(ref, rel=1e-6)  # methods cast embeddings to fp32
@@ -123,10 +123,9 @@ def _pairs(q, keys):
 
 def test_simmoco_contrasts_queries_with_momentum_keys_of_the_batch():
     cfg, method = _tiny("tiny_simmoco")
-    assert (cfg.method.loss, cfg.method.momentum, cfg.method.eqco_alpha, cfg.method.head) == (
-        "dual_temperature",
+    assert (dict(cfg.method.loss), cfg.method.momentum, cfg.method.head) == (
+        {"name": "dual_temperature", "inter_temperature": 1.0},
         0.99,
-        None,
         "mlp_bn",  # the tiny recipe's CPU-scale head (simmoco.yaml keeps the paper's BN-free mlp)
     )
     g = torch.Generator().manual_seed(2)

@@ -75,7 +75,7 @@ def test_every_paper_recipe_and_its_tiny_version_resolve():
         "cosine",
     )
     eqco = _cfg("mocov2_eqco")
-    assert (eqco.method.eqco_alpha, eqco.method.num_negatives, eqco.method.queue_size) == (65536, 256, 65536)
+    assert (eqco.method.loss.eqco_alpha, eqco.method.num_negatives, eqco.method.queue_size) == (65536, 256, 65536)
     simclr = _cfg("simclr")
     assert (simclr.optim.name, simclr.optim.exclude_norm_bias, simclr.optim.per_step, simclr.method.head) == (
         "lars",
@@ -83,7 +83,7 @@ def test_every_paper_recipe_and_its_tiny_version_resolve():
         True,
         "mlp_bn",
     )
-    assert _cfg("simo").method.eqco_alpha == 256 and _cfg("simo_k16").method.num_negatives == 16
+    assert _cfg("simo").method.loss.eqco_alpha == 256 and _cfg("simo_k16").method.num_negatives == 16
     tiny = _cfg("tiny_mocov1")  # inherits mocov1's method and _tiny's model
     assert (tiny.method.head, tiny.model.arch, tiny.model.stem, tiny.name) == (
         "linear",
@@ -165,8 +165,8 @@ def test_two_steps_restart_two_steps_equals_four_steps(accelerator, synthetic_ro
         assert torch.equal(value, resumed["backbone"][key]), key
     a = torch.load(tmp_path / "a" / "checkpoint_last.pth", weights_only=False)
     b = torch.load(tmp_path / "b" / "checkpoint_last.pth", weights_only=False)
-    for key, value in a["method"].items():  # encoders, momentum encoder, queue and its pointer
-        assert torch.equal(value, b["method"][key]), key
+    for key, value in a["method_state"].items():  # encoders, momentum encoder, queue and its pointer
+        assert torch.equal(value, b["method_state"][key]), key
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(accelerator, synthetic_root, tmp_path):

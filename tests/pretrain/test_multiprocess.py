@@ -337,7 +337,7 @@ CONTROLS: dict[str, tuple[tuple[str, ...], Callable[[], contextlib.AbstractConte
     # the same for DCLW's gathered positives only (their weights' gradient across ranks is lost)
     "naive_weight_gather": ((), lambda: mock.patch.object(dist, "gather_with_grad", _gather_positives_naively)),
     # lightly's DCLW: the weights' softmax over each process's anchors
-    "per_process_weights": (("method.dclw_per_process=true",), contextlib.nullcontext),
+    "per_process_weights": (("method.loss.per_process=true",), contextlib.nullcontext),
     # the official AdCo on several nodes: the positive's column from the local index only
     "local_offset": ((), lambda: mock.patch.object(dist, "rank_offset", lambda n_local: 0)),
     # each rank draws choices for its own rows only: with a shared seed both ranks draw the same ones
@@ -370,9 +370,9 @@ CASES = {
     "simclr_dcl": Case("tiny_dcl", controls=("naive_gather",)),
     "simclr_dclw": Case("tiny_dclw", controls=("per_process_weights",)),
     "simclr_dclw_undetached": Case(
-        "tiny_dclw", ("method.dclw_detach=false",), controls=("per_process_weights", "naive_weight_gather")
+        "tiny_dclw", ("method.loss.detach=false",), controls=("per_process_weights", "naive_weight_gather")
     ),
-    "simclr_eqco": Case("tiny_simclr_eqco", ("method.eqco_alpha=64",), controls=("naive_gather",)),
+    "simclr_eqco": Case("tiny_simclr_eqco", ("method.loss.eqco_alpha=64",), controls=("naive_gather",)),
     "simo_eqco": Case("tiny_simo", controls=("local_offset",)),  # K = B − 1
     # per-query sampling: every rank draws the global batch's choices and keeps its own rows
     "simo_sampled": Case(

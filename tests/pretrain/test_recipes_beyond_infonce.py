@@ -41,15 +41,20 @@ def test_paper_recipes_carry_the_paper_values_and_have_tiny_versions():
     dcl, dclw = _cfg("dcl"), _cfg("dclw")
     assert (
         dcl.method.name,
-        dcl.method.loss,
+        dcl.method.loss.name,
         dcl.method.temperature,
         dcl.train.batch_size,
         dcl.train.epochs,
         dcl.data.augmentation,
     ) == ("simclr", "dcl", 0.1, 256, 200, "simclr")
-    assert (dclw.method.loss, dclw.method.dclw_sigma, dclw.method.dclw_detach) == ("dclw", 0.5, True)
+    assert dict(dclw.method.loss) == {"name": "dclw", "sigma": 0.5, "detach": True, "per_process": False}
     moco_dcl = _cfg("mocov2_dcl")
-    assert (moco_dcl.method.name, moco_dcl.method.loss, moco_dcl.method.temperature, moco_dcl.method.queue_size) == (
+    assert (
+        moco_dcl.method.name,
+        moco_dcl.method.loss.name,
+        moco_dcl.method.temperature,
+        moco_dcl.method.queue_size,
+    ) == (
         "moco",
         "dcl",
         0.2,
@@ -57,7 +62,7 @@ def test_paper_recipes_carry_the_paper_values_and_have_tiny_versions():
     )
     for recipe in ("simmoco", "simco"):
         m = _cfg(recipe).method
-        assert (m.name, m.loss, m.temperature, m.inter_temperature, m.head) == (
+        assert (m.name, m.loss.name, m.temperature, m.loss.inter_temperature, m.head) == (
             recipe,
             "dual_temperature",
             0.1,
@@ -72,17 +77,21 @@ def test_paper_recipes_carry_the_paper_values_and_have_tiny_versions():
     [
         (
             "dcl",
-            ["method.loss=dcll"],
-            "method.loss='dcll': expected one of ['infonce', 'dcl', 'dclw', 'dual_temperature']",
+            ["method.loss.name=dcll"],
+            "method.loss.name='dcll': expected one of ['infonce', 'dcl', 'dclw', 'dual_temperature']",
         ),
         (
             "dcl",
-            ["method.eqco_alpha=4096"],
-            "method.eqco_alpha=4096: applies to method.loss=infonce only (got 'dcl'); set method.eqco_alpha=null",
+            ["method.loss.eqco_alpha=4096"],
+            "method.loss.eqco_alpha=4096: an option of method.loss.name=infonce only (this run's loss is dcl); "
+            "remove it or set method.loss.eqco_alpha=null",
         ),
-        ("dclw", ["method.dclw_sigma=0"], "method.dclw_sigma=0: expected a positive number"),
+        ("dclw", ["method.loss.sigma=0"], "method.loss.sigma=0: expected a positive number"),
+        ("dcl", ["method.loss.sigma=0.3"], "method.loss.sigma=0.3: an option of method.loss.name=dclw only"),
+        ("dcl", ["method.loss.bogus=1"], "unknown key 'method.loss.bogus' (method simclr, loss dcl)"),
         ("simco", ["method.momentum=0.99"], "unknown key 'method.momentum' (method simco)"),
-        ("simco", ["method.inter_temperature=-1"], "method.inter_temperature=-1: expected a positive number"),
+        ("simco", ["method.loss.inter_temperature=-1"], "method.loss.inter_temperature=-1: expected a positive number"),
+        ("adco", ["method.loss=dcl"], "unknown key 'method.loss' (method adco)"),
     ],
 )
 def test_bad_configs_fail_with_one_clear_line(recipe, overrides, expected):
