@@ -22,6 +22,8 @@ import psutil
 import pytest
 import torch
 
+from contrastive_transfer.contract import METHOD_STATE, training_state
+
 from ..multiprocess_harness import free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -158,7 +160,7 @@ def runs(tmp_path_factory, synthetic_root):
 
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)["method"]
+    return training_state(torch.load(path, map_location="cpu", weights_only=True))[METHOD_STATE]
 
 
 def test_two_nodes_resumed_equal_one_node_bit_for_bit(runs):
