@@ -1,5 +1,7 @@
-"""``data.backend: device``: JPEGs decoded on the device, batched (``torchvision.io.decode_jpeg(list,
-device=...)``: nvJPEG on CUDA), then the crops and the colour stage there too.
+"""``data.backend: device``: JPEGs decoded on the device, batched (``decode_jpeg(list, device=...)``:
+nvJPEG on CUDA), then the crops and the colour stage there too. The decoder is TorchCodec's where it
+is installed and torchvision's otherwise (``JPEG_DECODER``): torchvision deprecated its image
+decoding in 0.29 in favour of TorchCodec; both take the same batched call and give the same pixels.
 
 The workers only read each file and its JPEG header (the size), and draw every random parameter
 exactly as the reference does for the same ``(seed, epoch, index)`` (``RandomResizedCrop.make_params``
@@ -17,17 +19,46 @@ decoded. A JPEG whose header reads but whose data is corrupt fails the run at th
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import functools
+import warnings
+from typing import Callable, NamedTuple, Sequence
 
 import torch
-from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.io import ImageReadMode
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from pretrain.augment.fast import FastView
 from pretrain.augment.pipeline import ViewTransform
 
-__all__ = ["Encoded", "EncodedBatch", "DeviceView", "jpeg_size", "decode_views"]
+__all__ = ["Encoded", "EncodedBatch", "DeviceView", "jpeg_size", "decode_views", "JPEG_DECODER", "jpeg_decoders"]
+
+Decoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
+
+
+def _torchvision_decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    from torchvision.io import decode_jpeg
+
+    with warnings.catch_warnings():  # deprecated for TorchCodec, which is used whenever installed
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
+@functools.cache
+def jpeg_decoders() -> dict[str, Decoder]:
+    """The batched RGB JPEG decoders available here, preferred first: TorchCodec, then torchvision."""
+    decoders: dict[str, Decoder] = {}
+    try:
+        from torchcodec.decoders import decode_jpeg as codec_decode
+
+        decoders["torchcodec"] = lambda data, device: codec_decode(data, mode="RGB", device=device)
+    except Exception:  # not installed, or its native library does not load beside this torch
+        pass
+    decoders["torchvision"] = _torchvision_decode
+    return decoders
+
+
+JPEG_DECODER: str = next(iter(jpeg_decoders()))
 
 
 class Encoded(NamedTuple):
@@ -97,12 +128,16 @@ class DeviceView:
         return [box["top"], box["left"], box["height"], box["width"]], flip, u
 
 
-def decode_views(batch: EncodedBatch, transforms: Sequence[ViewTransform], device: torch.device) -> list[torch.Tensor]:
-    """The normalised float32 views of a batch, decoded and augmented on ``device``."""
+def decode_views(
+    batch: EncodedBatch, transforms: Sequence[ViewTransform], device: torch.device, decoder: str | None = None
+) -> list[torch.Tensor]:
+    """The normalised float32 views of a batch, decoded (``decoder``: a name of ``jpeg_decoders``,
+    default ``JPEG_DECODER``) and augmented on ``device``."""
     jpegs = [i for i, d in enumerate(batch.data) if d.dim() == 1]
     images: list[torch.Tensor] = [d.to(device, non_blocking=True) if d.dim() == 3 else d for d in batch.data]
     if jpegs:  # one batched call: nvJPEG decodes the batch together
-        decoded = decode_jpeg([batch.data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
+        decode = jpeg_decoders()[decoder or JPEG_DECODER]
+        decoded = decode([batch.data[i] for i in jpegs], device)
         for i, image in zip(jpegs, decoded):
             images[i] = image
     boxes, flips = batch.boxes.tolist(), batch.flips.tolist()

@@ -1,6 +1,7 @@
 """data.backend: device (pretrain/augment/on_device.py), run on CPU through the interface a GPU uses:
-the workers send bytes and draws, finish_views decodes (batched decode_jpeg) and augments; the
-views are the torchvision reference's for the same (seed, epoch, index)."""
+the workers send bytes and draws, finish_views decodes (batched decode_jpeg, TorchCodec's and
+torchvision's) and augments; the views are the torchvision reference's for the same (seed, epoch,
+index)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import pytest
 import torch
 from PIL import Image
 
-from pretrain.augment import build_view_transforms
-from pretrain.augment.on_device import EncodedBatch
+from pretrain.augment import build_view_transforms, on_device
+from pretrain.augment.on_device import EncodedBatch, jpeg_decoders
 from pretrain.data import ImageDataset, build_loader, collate, finish_views, set_loader_epoch
 
 CPU = torch.device("cpu")
 STD = torch.tensor((0.229, 0.224, 0.225)).reshape(1, 3, 1, 1)
 
 
+@pytest.mark.parametrize("decoder", list(jpeg_decoders()))
 @pytest.mark.parametrize("preset", ["mocov2", "byol"])
-def test_device_views_are_the_references(synthetic_root, preset):
+def test_device_views_are_the_references(synthetic_root, preset, decoder, monkeypatch):
+    monkeypatch.setattr(on_device, "JPEG_DECODER", decoder)  # TorchCodec where installed, and torchvision
     root = synthetic_root / "imagenet" / "train"
     views = build_view_transforms(preset, 32)
     indices = [0, 5, 17, 33, 250]
@@ -72,3 +75,12 @@ def test_the_engine_trains_with_decode_on_the_device(synthetic_root, tmp_path):
     train(cfg, Accelerator(cpu=True))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_torchcodec_is_preferred_where_it_is_installed():
+    try:
+        import torchcodec.decoders  # noqa: F401
+    except Exception:
+        assert on_device.JPEG_DECODER == "torchvision"
+    else:
+        assert on_device.JPEG_DECODER == "torchcodec"
