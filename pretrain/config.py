@@ -8,17 +8,21 @@ method knows is an error, as are values outside the allowed choices.
 
 from __future__ import annotations
 
-import re
+import functools
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, grammar_parser
+from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
 
 from contrastive_transfer.contract import ARCHS, KNN_K, KNN_TEMPERATURE, STEMS
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import check_run_name, escapes
-from contrastive_transfer.yaml_limits import compose as compose_yaml
+from contrastive_transfer.yaml_limits import base_names, check_chain, compose_text
+from contrastive_transfer.yaml_limits import decode as decode_yaml
 from pretrain.augment.views import ViewError, resolve
 from pretrain.methods import METHODS
 
@@ -94,8 +98,11 @@ CHOICES = {
 
 
 # ${key} refers to another key; ${resolver:...} calls a function (oc.env reads the environment, and
-# the resolved value would land in config.yaml and in every published checkpoint).
-_RESOLVER_CALL = re.compile(r"\$\{\s*[\w.\-]+\s*:")
+# the resolved value would land in config.yaml and in every published checkpoint). Recipes may refer
+# to keys only: every value is parsed with OmegaConf's own interpolation grammar, so a resolver whose
+# name is itself built from an interpolation (${${k}:X}) is found too, and the whole config is then
+# resolved with no resolver registered (``_resolvers_off``), so nothing the walk missed can call one.
+_PATH_KEYS = ("data.root", "knn.train_dir", "knn.val_dir", "train.resume", "train.output_dir")
 # Keys a recipe file may not point outside the output root with (it writes there).
 _OUTPUT_KEYS = ("train.output_dir",)
 
@@ -111,49 +118,192 @@ def _strings(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
         yield prefix, node
 
 
-def _check_recipe(cfg: DictConfig, where: str) -> None:
-    """No resolver calls (environment values never reach config.yaml or a checkpoint), a plain run
-    name, and output paths that stay inside the output root."""
-    strings = dict(_strings(OmegaConf.to_container(cfg, resolve=False)))  # as written: nothing resolved
-    for key, value in strings.items():
-        if _RESOLVER_CALL.search(value):
+def _resolver_calls(value: str) -> list[str]:
+    """The resolvers ``value`` would call, as written (``${n}`` for a name built from a key)."""
+    found, stack = [], [grammar_parser.parse(value)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, OmegaConfGrammarParser.InterpolationResolverContext):
+            found.append(node.resolverName().getText())
+        stack.extend(getattr(node, "children", None) or [])
+    return found
+
+
+def _check_interpolations(container: Any, where: str) -> None:
+    """No resolver calls anywhere in ``container`` (an unresolved plain container)."""
+    for key, value in _strings(container):
+        if "${" not in value:
+            continue
+        try:
+            calls = _resolver_calls(value)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{where}: {key}={value!r:.80} is not a valid interpolation ({e})") from None
+        if calls:
             raise ConfigError(
-                f"{where}: {key}={value!r} calls a resolver; recipes may only refer to other keys "
+                f"{where}: {key}={value!r:.80} calls a resolver ({calls[0]}); recipes may only refer to other keys "
                 "(e.g. ${name}): write the value itself (environment values would be stored in config.yaml "
                 "and in every checkpoint)"
             )
-    name = cfg.get("name") if isinstance(cfg, DictConfig) else None
-    if name is not None:
-        check_run_name(name, where)
-    for key in _OUTPUT_KEYS:
-        value = strings.get(key)
-        why = escapes(value) if value is not None else None
-        if why is not None:
-            raise ConfigError(
-                f"{where}: {key}={value!r} is {why}: a recipe's output stays inside the working directory; "
-                f"give another location on the command line ({key}=...) if you mean it"
-            )
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
-    """A YAML file merged over its `_base_` file(s) (paths relative to it), recursively."""
-    path = path.resolve()
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    if path in seen:
-        raise ConfigError(f"config file {path}: circular _base_ chain {' -> '.join(map(str, seen))}")
-    compose_yaml(path)  # aliases bounded and UTF-8 before OmegaConf builds the tree
+@contextmanager
+def _resolvers_off() -> Iterator[None]:
+    """OmegaConf with no resolver registered (oc.env, oc.decode, ... included) while the block runs."""
+    saved = BaseContainer._resolvers
+    BaseContainer._resolvers = {}
     try:
-        cfg = OmegaConf.load(path)
+        yield
+    finally:
+        BaseContainer._resolvers = saved
+
+
+def _without_resolvers(load: Callable[..., DictConfig]) -> Callable[..., DictConfig]:
+    @functools.wraps(load)
+    def wrapper(*args: Any, **kwargs: Any) -> DictConfig:
+        with _resolvers_off():
+            return load(*args, **kwargs)
+
+    return wrapper
+
+
+def _read_yaml(path: Path, chain: tuple[str, ...] = (), files_read: list[int] | None = None) -> DictConfig:
+    """A YAML file merged over its `_base_` file(s) (paths relative to it), recursively; the
+    chain bounded and free of loops (contrastive_transfer.yaml_limits)."""
+    path = path.resolve()
+    files_read = [0] if files_read is None else files_read
+    if chain:
+        check_chain(chain, str(path), files_read[0], "_base_")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist" + (f" (a _base_ of {chain[-1]})" if chain else ""))
+    files_read[0] += 1
+    # TODO(file gate): read through the base package's gate (regular file, size cap) once it lands.
+    text = decode_yaml(path.read_bytes(), str(path))
+    node = compose_text(text, str(path))  # aliases bounded, a mapping at the top, before OmegaConf builds it
+    bases = base_names(node, "_base_", str(path))
+    try:
+        cfg = OmegaConf.create(text)
     except Exception as e:  # yaml errors carry the line
-        raise ConfigError(f"config file {path}: cannot parse: {e}") from e
-    _check_recipe(cfg, str(path))
-    bases = cfg.pop("_base_", None)
-    bases = [bases] if isinstance(bases, str) else list(bases or [])
-    merged = [_read_yaml(path.parent / b, seen + (path,)) for b in bases]
+        raise ConfigError(f"config file {path}: cannot parse: {' '.join(str(e).split())}") from None
+    assert isinstance(cfg, DictConfig)  # compose_text refused any other top level
+    _check_interpolations(OmegaConf.to_container(cfg, resolve=False), str(path))
+    cfg.pop("_base_", None)
+    merged = [_read_yaml(path.parent / b, (*chain, str(path)), files_read) for b in bases]
     return OmegaConf.merge(*merged, cfg) if merged else cfg
 
 
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "int" if isinstance(value, int) else "float"
+    return {str: "str", list: "list", dict: "dict", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+_EXPECTED = {
+    "bool": "true or false",
+    "int": "an integer",
+    "float": "a number",  # an integer included
+    "str": "a string",
+    "list": "a list",
+    "dict": "a mapping of keys",
+}
+# Keys whose default is null, and the kinds they take besides null.
+_NULLABLE = {
+    "name": ("str",),
+    "data.views": ("list", "dict"),  # a dict edits the preset's views by index (data.views.0.jitter.p=0.5)
+    "data.min_crop_scale": ("int", "float"),
+    "data.colour_on_device": ("bool",),
+    "train.max_steps": ("int",),
+    "train.mixed_precision": ("str", "bool"),  # YAML reads a bare `no` as false
+    "train.channels_last": ("bool",),
+    "train.cudnn_benchmark": ("bool",),
+    "knn.train_dir": ("str",),
+    "knn.val_dir": ("str",),
+    "method.hidden_dim": ("int",),
+    "method.num_negatives": ("int",),
+    "method.eqco_alpha": ("int", "float"),
+}
+
+
+def _check_kinds(value: Any, default: Any, key: str) -> None:
+    """``value`` (resolved) of the kind its default has (an integer also for a float default), at
+    every level: one line naming the key, the value and the kind expected."""
+    if isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r:.80}: expected a mapping of keys ({', '.join(map(str, default))})")
+        for k, v in value.items():
+            if k in default:
+                _check_kinds(v, default[k], f"{key}.{k}" if key else str(k))
+        return
+    if default is None and key not in _NULLABLE:  # a method's own optional key: its check reads it
+        allowed = ("null", "bool", "int", "float", "str")
+    elif default is None:
+        allowed = (*_NULLABLE[key], "null")
+    else:
+        allowed = (_kind(default), "int") if _kind(default) == "float" else (_kind(default),)
+    if _kind(value) not in allowed:
+        shown = [k for k in allowed if k != "null" and not (k == "int" and "float" in allowed)]
+        expected = " or ".join(_EXPECTED.get(k, k) for k in shown)
+        raise ConfigError(f"{key}={value!r:.80}: expected {expected}{' or null' if 'null' in allowed else ''}")
+    if isinstance(value, list) and isinstance(default, list) and default:
+        for i, item in enumerate(value):
+            _check_kinds(item, default[0], f"{key}.{i}")
+
+
+def _check_resolved(cfg: DictConfig, defaults: DictConfig, given: DictConfig, where: str) -> None:
+    """The checks on values as they will be used: kinds, paths, no interpolation left behind (a
+    value that still reads as ``${...}`` after resolving would be resolved again wherever the
+    config is read back)."""
+    resolved = OmegaConf.to_container(cfg, resolve=False)
+    try:
+        _check_kinds(resolved, OmegaConf.to_container(defaults, resolve=False), "")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    for key, value in _strings(resolved):
+        if "${" in value:
+            raise ConfigError(
+                f"{where}: {key}={value!r:.80}: reads as an interpolation once resolved (an escaped \\${{...}}); "
+                "write the value itself"
+            )
+    check_run_name(cfg.name, where)
+    for key in _PATH_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and (not isinstance(value, str) or "\x00" in value or not value):
+            raise ConfigError(f"{where}: {key}={value!r:.80}: expected a path")
+    on_command_line = OmegaConf.to_container(given, resolve=False)
+    for key in _OUTPUT_KEYS:
+        value = OmegaConf.select(cfg, key)
+        named = functools.reduce(
+            lambda d, k: d.get(k) if isinstance(d, dict) else None, key.split("."), on_command_line
+        )
+        why = None if named is not None else escapes(value)
+        if why is not None:
+            raise ConfigError(
+                f"{where}: {key}={value!r} is {why} once resolved: a recipe's output stays inside the working "
+                f"directory; give another location on the command line ({key}=...) if you mean it"
+            )
+
+
+def _unresolvable(cfg: DictConfig, error: OmegaConfBaseException, where: str) -> ConfigError:
+    """One line naming the first value that cannot be resolved (OmegaConf.resolve names none)."""
+    for key, value in _strings(OmegaConf.to_container(cfg, resolve=False)):
+        if "${" in value:
+            try:
+                OmegaConf.select(cfg, key)
+            except OmegaConfBaseException as e:
+                error = e
+                return ConfigError(f"{where}: {key}={value!r:.80}: cannot resolve ({' '.join(str(e).split())})")
+    return ConfigError(f"{where}: cannot be resolved ({' '.join(str(error).split())})")
+
+
+def _select(cfg: DictConfig, key: str, where: str) -> Any:
+    try:
+        return OmegaConf.select(cfg, key)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {key}: cannot resolve ({' '.join(str(e).split())})") from None
+
+
+@_without_resolvers
 def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: int = 1) -> DictConfig:
     """Resolve a recipe: engine defaults < method defaults < YAML chain < ``key=value`` overrides.
 
@@ -166,13 +316,9 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     if bad:
         raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. train.batch_size=64)")
     given = OmegaConf.from_dotlist(list(overrides))
-    for key, value in _strings(OmegaConf.to_container(given, resolve=False)):
-        if _RESOLVER_CALL.search(value):
-            raise ConfigError(f"override {key}={value!r} calls a resolver; give the value itself")
-    if "name" in given:
-        check_run_name(given.name, "override")
+    _check_interpolations(OmegaConf.to_container(given, resolve=False), "override")
     user = OmegaConf.merge(user, given)
-    name = OmegaConf.select(user, "method.name")
+    name = _select(user, "method.name", str(path))
     if name not in METHODS:
         raise ConfigError(f"method.name={name!r}: expected one of {sorted(METHODS)}")
     defaults = OmegaConf.create(ENGINE_DEFAULTS)
@@ -190,7 +336,11 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
         ) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid value for {e.full_key!r}: {e.msg}") from None
-    OmegaConf.resolve(cfg)
+    try:
+        OmegaConf.resolve(cfg)  # under _resolvers_off: a resolver call of any name fails here
+    except OmegaConfBaseException as e:
+        raise _unresolvable(cfg, e, str(path)) from None
+    _check_resolved(cfg, defaults, given, str(path))
     if cfg.train.mixed_precision is False:  # YAML reads a bare `no` as false
         cfg.train.mixed_precision = "no"
     try:  # the views in full, so that config.yaml and --print-config show what runs
