@@ -78,6 +78,7 @@ def fetch(url: str, what: str, allow: bool, max_bytes: int) -> bytes:
 
 def fetch_to(url: str, dest: Path, what: str, allow: bool, max_bytes: int) -> Path:
     """The file at ``url`` (``_chunks``) written to ``dest`` (atomically: a part file renamed)."""
+    _refuse_unless(allow, url, what)  # before anything is created
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     try:

@@ -18,6 +18,7 @@ from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
 
+from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import ARCHS, KNN_K, KNN_TEMPERATURE, STEMS
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import check_run_name, escapes
@@ -157,11 +158,18 @@ def _resolvers_off() -> Iterator[None]:
         BaseContainer._resolvers = saved
 
 
-def _without_resolvers(load: Callable[..., DictConfig]) -> Callable[..., DictConfig]:
+def _loader(load: Callable[..., DictConfig]) -> Callable[..., DictConfig]:
+    """``load(path, ...)`` with no resolver registered, whose refusals all name the recipe."""
+
     @functools.wraps(load)
-    def wrapper(*args: Any, **kwargs: Any) -> DictConfig:
+    def wrapper(path: str | Path, *args: Any, **kwargs: Any) -> DictConfig:
         with _resolvers_off():
-            return load(*args, **kwargs)
+            try:
+                return load(path, *args, **kwargs)
+            except UserError as e:
+                if str(path) in str(e):
+                    raise
+                raise type(e)(f"{path}: {e}") from None
 
     return wrapper
 
@@ -188,7 +196,31 @@ def _read_yaml(path: Path, chain: tuple[str, ...] = (), files_read: list[int] | 
     _check_interpolations(OmegaConf.to_container(cfg, resolve=False), str(path))
     cfg.pop("_base_", None)
     merged = [_read_yaml(path.parent / b, (*chain, str(path)), files_read) for b in bases]
-    return OmegaConf.merge(*merged, cfg) if merged else cfg
+    return _merge(str(path), *merged, cfg) if merged else cfg
+
+
+def _conflict(a: Any, b: Any, prefix: str = "") -> str | None:
+    """The first key where ``b`` puts a mapping over a non-mapping of ``a`` or the reverse."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in a.keys() & b.keys():
+            found = _conflict(a[k], b[k], f"{prefix}.{k}" if prefix else str(k))
+            if found is not None:
+                return found
+        return None
+    return prefix if isinstance(a, dict) != isinstance(b, dict) and None not in (a, b) else None
+
+
+def _merge(where: str, *configs: DictConfig) -> DictConfig:
+    """OmegaConf.merge, whose refusal to put a mapping over a value (or the reverse) names the key."""
+    try:
+        return OmegaConf.merge(*configs)
+    except OmegaConfBaseException as e:
+        plain = [OmegaConf.to_container(c, resolve=False) for c in configs]
+        key = next((k for i in range(1, len(plain)) for k in [_conflict(plain[i - 1], plain[i])] if k), "")
+        raise ConfigError(
+            f"{where}: {key or 'a key'} is a mapping in one file and a value (or a list) in another: "
+            f"cannot merge them ({' '.join(str(e).split()[:8])})"
+        ) from None
 
 
 def _kind(value: Any) -> str:
@@ -303,7 +335,7 @@ def _select(cfg: DictConfig, key: str, where: str) -> Any:
         raise ConfigError(f"{where}: {key}: cannot resolve ({' '.join(str(e).split())})") from None
 
 
-@_without_resolvers
+@_loader
 def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: int = 1) -> DictConfig:
     """Resolve a recipe: engine defaults < method defaults < YAML chain < ``key=value`` overrides.
 
@@ -317,7 +349,7 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
         raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. train.batch_size=64)")
     given = OmegaConf.from_dotlist(list(overrides))
     _check_interpolations(OmegaConf.to_container(given, resolve=False), "override")
-    user = OmegaConf.merge(user, given)
+    user = _merge("override", user, given)
     name = _select(user, "method.name", str(path))
     if name not in METHODS:
         raise ConfigError(f"method.name={name!r}: expected one of {sorted(METHODS)}")
@@ -334,8 +366,10 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
             f"unknown key {e.full_key!r} (method {name}): allowed keys"
             f"{' under ' + parent if parent else ''}: {sorted(node.keys())}"
         ) from None
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"invalid value for {e.full_key!r}: {e.msg}") from None
+    except OmegaConfBaseException as e:  # a mapping over a value or the reverse: name the key
+        plain = [OmegaConf.to_container(c, resolve=False) for c in (defaults, user)]
+        key = e.full_key or _conflict(*plain) or ""
+        raise ConfigError(f"invalid value for {key!r}: {' '.join(str(e.msg).split('full_key:')[0].split())}") from None
     try:
         OmegaConf.resolve(cfg)  # under _resolvers_off: a resolver call of any name fails here
     except OmegaConfBaseException as e:

@@ -14,6 +14,7 @@ naming the file, raised before training starts (:func:`check_datasets`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -196,6 +197,7 @@ _COCO_FIELDS = {
             _OPTIONAL,
         ),
         "iscrowd": (lambda v: v in (0, 1) and not isinstance(v, bool), "0 or 1", _OPTIONAL),
+        "area": (lambda v: _is_number(v) and v >= 0, "a number >= 0 (COCO's evaluation bins objects by it)", _OPTIONAL),
         "ignore": (lambda v: v == 0 and not isinstance(v, bool), "0 (detectron2 reads no ignored objects)", _OPTIONAL),
     },
     "categories": {
@@ -251,6 +253,8 @@ def _voc_record(name: str, base: Path, image_id: str) -> dict:
             bbox = [float(obj.findtext(f"bndbox/{k}")) for k in ("xmin", "ymin", "xmax", "ymax")]  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise DatasetError(f"{where}: a {cls} object without a numeric <bndbox> xmin/ymin/xmax/ymax") from None
+        if not all(map(math.isfinite, bbox)):
+            raise DatasetError(f"{where}: a {cls} object whose <bndbox> is not finite ({bbox})")
         bbox[0] -= 1.0  # 1-based inclusive pixel indices, as detectron2 reads them
         bbox[1] -= 1.0
         instances.append({"category_id": VOC_CLASS_NAMES.index(cls), "bbox": bbox, "bbox_mode": BoxMode.XYXY_ABS})
