@@ -316,6 +316,21 @@ def _check_resolved(cfg: DictConfig, defaults: DictConfig, given: DictConfig, wh
             )
 
 
+def saved_config(data: Any, where: str) -> DictConfig:
+    """A config stored in a checkpoint as an OmegaConf config that calls nothing when read: the
+    project stores configs resolved, so a value that reads as ``${...}`` was planted (it could call
+    ``oc.env`` the moment it is read)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: its config is a {type(data).__name__}, expected a mapping of keys")
+    for key, value in _strings(data):
+        if "${" in value:
+            raise ConfigError(
+                f"{where}: its config holds {key}={value!r:.80}, an interpolation; configs are stored resolved, "
+                "so this checkpoint was not written by the project as it is"
+            )
+    return OmegaConf.create(data)
+
+
 def _unresolvable(cfg: DictConfig, error: OmegaConfBaseException, where: str) -> ConfigError:
     """One line naming the first value that cannot be resolved (OmegaConf.resolve names none)."""
     for key, value in _strings(OmegaConf.to_container(cfg, resolve=False)):

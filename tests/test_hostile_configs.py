@@ -698,3 +698,18 @@ def test_an_image_folder_with_too_many_class_folders_is_refused(tmp_path, monkey
     for i in range(6):
         (tmp_path / f"c{i}").mkdir()
     refusal(partial(readers.read_image_folder, tmp_path), tmp_path, "class folders")
+
+
+@pytest.mark.parametrize("spelling", ["${oc.env:SECRET_TOKEN}", "${${n}:SECRET_TOKEN}"])
+def test_a_checkpoints_config_calls_no_resolver_when_analysed(spelling, tmp_path, secret_env):
+    import torch
+
+    from pretrain.analysis.__main__ import main as analysis
+
+    config = {"n": "oc.env", "method": {"name": spelling}}
+    assert OmegaConf.create(config).method.name == SECRET  # control: reading it reads the environment
+    src = tmp_path / "checkpoint_last.pth"
+    torch.save({"method": {}, "optimizer": {}, "step": 1, "config": config}, src)
+    with pytest.raises(SystemExit) as e:
+        analysis(["npc", str(src)])
+    assert str(src) in e.value.code and "interpolation" in e.value.code and SECRET not in e.value.code

@@ -96,9 +96,10 @@ def is_training_checkpoint(state: dict) -> bool:
 
 def rebuild_method(state: dict, path: str | os.PathLike) -> tuple[nn.Module, Any]:
     """The method of a ``checkpoint_last.pth`` with its weights, and its config, on CPU."""
+    from pretrain.config import saved_config
     from pretrain.methods import METHODS
 
-    cfg = OmegaConf.create(state["config"])
+    cfg = saved_config(state["config"], f"checkpoint {path}")
     name = OmegaConf.select(cfg, "method.name")
     if name not in METHODS:
         raise AnalysisError(f"checkpoint {path}: method.name={name!r} is not one of {sorted(METHODS)}")
