@@ -484,6 +484,41 @@ def test_file_urls_are_local_paths(detection, tmp_path):
     assert cfg.SEED == 3 and cfg.MODEL.WEIGHTS == f"{tmp_path}/w.pkl"
 
 
+def _check_detection_wrong_types(build_config, tmp_path: Path, keys: int | None, seed: int) -> int:
+    """Every (or ``keys`` random) key of a valid detection config, at every level, set to a value of
+    each other kind: one line naming the key."""
+    cfg, _ = build_config(str(TINY_VOC), [])
+    leaves = [(p, v) for p, v in _leaves(yaml.safe_load(cfg.dump())) if v is not None]
+    rng = random.Random(seed)
+    count = 0
+    for path, value in rng.sample(leaves, keys) if keys else leaves:
+        for kind in [k for k in KINDS if k != _kind(value)]:
+            config = tmp_path / "mutant.yaml"
+            config.write_text(yaml.safe_dump({"_BASE_": str(TINY_VOC)} | _nested(path, rng.choice(KINDS[kind]))))
+            text = refusal(partial(build_config, str(config), []), config)
+            assert path[-1] in text or "MODEL.WEIGHTS" in text, (path, text)
+            count += 1
+    return count
+
+
+def test_a_wrong_type_at_any_level_of_a_detection_config_is_one_line(detection, tmp_path):
+    from detectron2.config import get_cfg
+
+    build_config, _ = detection
+    assert _check_detection_wrong_types(build_config, tmp_path, 8, SEED) >= 30
+    # control: detectron2 compares VERSION before any type check, a traceback of its own
+    config = tmp_path / "version.yaml"
+    config.write_text("VERSION: [1]\n")
+    with pytest.raises(TypeError):
+        get_cfg().merge_from_file(str(config), allow_unsafe=False)
+
+
+@pytest.mark.slow
+def test_every_wrong_type_at_every_level_of_a_detection_config_is_one_line(detection, tmp_path):
+    build_config, _ = detection
+    assert _check_detection_wrong_types(build_config, tmp_path, None, SEED) > 1000
+
+
 def test_detection_base_loops_wrong_types_and_depth_are_one_line(detection, tmp_path):
     from detectron2.config import CfgNode
 

@@ -193,6 +193,17 @@ def _read_config_file(source: str, where: str, allow_network: bool) -> str:
     return decode_yaml(Path(source).read_bytes(), source)
 
 
+def _check_version(node, source: str) -> None:
+    """detectron2 compares ``VERSION`` with its own (2) and upgrades older configs: an integer."""
+    for key, value in node.value if node is not None else []:
+        if key.value != "VERSION":
+            continue
+        version = yaml.safe_load(value.value) if isinstance(value, yaml.ScalarNode) else None
+        if type(version) is not int or not 1 <= version <= 2:
+            shown = value.value if isinstance(value, yaml.ScalarNode) else "a list or mapping"
+            raise ConfigError(f"{source}: VERSION={shown!r:.40}: expected the integer 1 or 2 (detectron2's)")
+
+
 def _config_texts(config_file: str, allow_network: bool) -> dict[str, tuple[str, str]]:
     """Every file of the ``_BASE_`` chain, read once and checked (contrastive_transfer.yaml_limits:
     expansion, a mapping at the top, ``_BASE_`` of the right type, depth, loops; URLs only with
@@ -209,6 +220,7 @@ def _config_texts(config_file: str, allow_network: bool) -> dict[str, tuple[str,
         node = compose_text(text, source)
         if node is None and not text.strip("\ufeff \t\r\n"):
             raise ConfigError(f"{source}: the config file is empty (expected detectron2 config keys)")
+        _check_version(node, source)
         texts[name] = (source, text)
         for base in base_names(node, "_BASE_", source):
             # fvcore's name for it, and what it means: a URL (detectron2:// included) or a local path
