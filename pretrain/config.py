@@ -9,6 +9,7 @@ method knows is an error, as are values outside the allowed choices.
 from __future__ import annotations
 
 import functools
+import math
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -291,6 +292,7 @@ def _check_resolved(cfg: DictConfig, defaults: DictConfig, given: DictConfig, wh
         _check_kinds(resolved, OmegaConf.to_container(defaults, resolve=False), "")
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+    _check_numbers(resolved, where)
     for key, value in _strings(resolved):
         if "${" in value:
             raise ConfigError(
@@ -328,7 +330,42 @@ def saved_config(data: Any, where: str) -> DictConfig:
                 f"{where}: its config holds {key}={value!r:.80}, an interpolation; configs are stored resolved, "
                 "so this checkpoint was not written by the project as it is"
             )
+    _check_numbers(data, where)
     return OmegaConf.create(data)
+
+
+# Integers that size memory (a head, a queue, a batch): bounded far above any real recipe, so that
+# a config from elsewhere cannot ask for a 2,000,000-wide head or a billion-entry queue.
+_SIZES = {
+    "method.num_classes": 100_000,
+    "method.dim": 65_536,
+    "method.hidden_dim": 65_536,
+    "method.queue_size": 2**20,
+    "method.bank_size": 2**20,
+    "method.num_negatives": 2**20,
+    "train.batch_size": 2**16,
+    "data.image_size": 4096,
+}
+
+
+def _numbers(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _numbers(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _numbers(v, f"{prefix}.{i}")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield prefix, node
+
+
+def _check_numbers(container: Any, where: str) -> None:
+    """Every number finite (``.nan`` and ``.inf`` are YAML too), every size within ``_SIZES``."""
+    for key, value in _numbers(container):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: {key}={value!r}: expected a finite number")
+        if key in _SIZES and not 0 <= value <= _SIZES[key]:
+            raise ConfigError(f"{where}: {key}={value!r}: expected an integer up to {_SIZES[key]}")
 
 
 def _unresolvable(cfg: DictConfig, error: OmegaConfBaseException, where: str) -> ConfigError:

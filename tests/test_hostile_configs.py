@@ -748,3 +748,45 @@ def test_a_checkpoints_config_calls_no_resolver_when_analysed(spelling, tmp_path
     with pytest.raises(SystemExit) as e:
         analysis(["npc", str(src)])
     assert str(src) in e.value.code and "interpolation" in e.value.code and SECRET not in e.value.code
+
+
+def number_mutants(valid: dict, rng: random.Random, n: int):
+    """(key path, value): a size far beyond any recipe, or a float that is not finite."""
+    from pretrain.config import _SIZES
+
+    floats = [p for p, v in _leaves(valid) if isinstance(v, float)]
+    for _ in range(n):
+        if rng.random() < 0.5:
+            key = rng.choice(sorted(_SIZES))
+            yield tuple(key.split(".")), rng.choice([_SIZES[key] + 1, 10**12, 2**63])
+        else:
+            yield rng.choice(floats), rng.choice([float("nan"), float("inf"), -float("inf")])
+
+
+def test_huge_and_non_finite_numbers_in_a_recipe_are_one_line(valid_recipe, tmp_path):
+    from pretrain.config import load_config
+    from pretrain.methods.supervised import Supervised
+
+    for path, value in number_mutants(valid_recipe, random.Random(SEED), 10):
+        body = _nested(path, value)
+        base = REPO / "configs" / "pretrain" / ("tiny_supervised.yaml" if "num_classes" in path else "tiny_simclr.yaml")
+        recipe = _write_recipe(tmp_path, body, base=base)
+        refusal(partial(load_config, recipe), recipe, ".".join(path))
+    # control: the method's own check lets a 2,000,000-wide head through
+    cfg = OmegaConf.create({"method": {"num_classes": 2_000_000, "label_smoothing": 0.0}})
+    Supervised.check(cfg, 1)
+
+
+def test_an_analysis_checkpoint_asking_for_a_huge_head_is_one_line(tmp_path):
+    import torch
+
+    from pretrain.analysis.__main__ import main as analysis
+    from pretrain.config import load_config
+
+    config = OmegaConf.to_container(load_config(REPO / "configs" / "pretrain" / "tiny_supervised.yaml"))
+    config["method"]["num_classes"] = 2_000_000
+    src = tmp_path / "checkpoint_last.pth"
+    torch.save({"method": {}, "optimizer": {}, "step": 1, "config": config}, src)
+    with pytest.raises(SystemExit) as e:
+        analysis(["npc", str(src)])
+    assert str(src) in e.value.code and "method.num_classes" in e.value.code and "\n" not in e.value.code.strip()
