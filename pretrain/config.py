@@ -139,7 +139,9 @@ def _check_interpolations(container: Any, where: str) -> None:
         try:
             calls = _resolver_calls(value)
         except OmegaConfBaseException as e:
-            raise ConfigError(f"{where}: {key}={value!r:.80} is not a valid interpolation ({e})") from None
+            raise ConfigError(
+                f"{where}: {key}={value!r:.80} is not a valid interpolation ({' '.join(str(e).split())})"
+            ) from None
         if calls:
             raise ConfigError(
                 f"{where}: {key}={value!r:.80} calls a resolver ({calls[0]}); recipes may only refer to other keys "
