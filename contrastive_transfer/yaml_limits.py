@@ -16,9 +16,6 @@ same two limits: at most ``MAX_BASE_DEPTH`` files from a config to its deepest b
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import yaml
 
 from contrastive_transfer.cli import UserError
@@ -82,12 +79,6 @@ def compose_text(text: str, where: str) -> yaml.MappingNode | None:
         kind = "a list" if isinstance(node, yaml.SequenceNode) else f"the single value {node.value!r:.60}"
         raise YamlLimitError(f"{where}: holds {kind} at the top level, expected a mapping of keys (key: value)")
     return node
-
-
-def compose(path: str | os.PathLike) -> yaml.MappingNode | None:
-    """``compose_text`` of a file."""
-    # TODO(file gate): read through the base package's gate (regular file, size cap) once it lands.
-    return compose_text(decode(Path(path).read_bytes(), str(path)), str(path))
 
 
 def base_names(node: yaml.MappingNode | None, key: str, where: str) -> list[str]:
