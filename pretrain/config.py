@@ -235,7 +235,6 @@ def _kind(value: Any) -> str:
 
 
 _EXPECTED = {
-    "bool": "true or false",
     "int": "an integer",
     "float": "a number",  # an integer included
     "str": "a string",
@@ -278,8 +277,10 @@ def _check_kinds(value: Any, default: Any, key: str) -> None:
         allowed = (_kind(default), "int") if _kind(default) == "float" else (_kind(default),)
     if _kind(value) not in allowed:
         shown = [k for k in allowed if k != "null" and not (k == "int" and "float" in allowed)]
-        expected = " or ".join(_EXPECTED.get(k, k) for k in shown)
-        raise ConfigError(f"{key}={value!r:.80}: expected {expected}{' or null' if 'null' in allowed else ''}")
+        words = [w for k in shown for w in (("true", "false") if k == "bool" else (_EXPECTED.get(k, k),))]
+        words += ["null"] if "null" in allowed else []
+        expected = ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
+        raise ConfigError(f"{key}={value!r:.80}: expected {expected}")
     if isinstance(value, list) and isinstance(default, list) and default:
         for i, item in enumerate(value):
             _check_kinds(item, default[0], f"{key}.{i}")
