@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from contrastive_transfer.cli import UserError
 
-__all__ = ["PathEscapeError", "escapes", "inside", "check_run_name", "scan_image_folder", "read_text"]
+__all__ = ["PathEscapeError", "escapes", "inside", "check_run_name", "scan_image_folder", "read_text", "shown"]
 
 
 class PathEscapeError(UserError, ValueError):
@@ -95,6 +95,12 @@ def scan_image_folder(directory: str | os.PathLike, class_to_idx: dict[str, int]
             f"Supported extensions are: {', '.join(extensions)}"
         )
     return instances
+
+
+def shown(path: str | os.PathLike) -> str:
+    """``path`` as UTF-8 text for a log or a list file: bytes of a name that is not UTF-8 (which
+    Python holds as lone surrogates, unwritable as UTF-8) written as ``\\xff`` escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 class NotTextError(UserError, ValueError):

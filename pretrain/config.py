@@ -11,17 +11,23 @@ choices. Older spellings are upgraded in one place, ``pretrain.migrate``.
 from __future__ import annotations
 
 import copy
-import re
+import functools
+import math
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, grammar_parser
+from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
 
+from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import ARCHS, KNN_K, KNN_TEMPERATURE, STEMS
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import check_run_name, escapes
-from contrastive_transfer.yaml_limits import compose as compose_yaml
+from contrastive_transfer.yaml_limits import base_names, check_chain, compose_text
+from contrastive_transfer.yaml_limits import decode as decode_yaml
 from pretrain.augment.views import ViewError, resolve, with_min_crop_scale
 from pretrain.losses import LOSSES
 from pretrain.methods import METHODS
@@ -99,8 +105,11 @@ CHOICES = {
 
 
 # ${key} refers to another key; ${resolver:...} calls a function (oc.env reads the environment, and
-# the resolved value would land in config.yaml and in every published checkpoint).
-_RESOLVER_CALL = re.compile(r"\$\{\s*[\w.\-]+\s*:")
+# the resolved value would land in config.yaml and in every published checkpoint). Recipes may refer
+# to keys only: every value is parsed with OmegaConf's own interpolation grammar, so a resolver whose
+# name is itself built from an interpolation (${${k}:X}) is found too, and the whole config is then
+# resolved with no resolver registered (``_resolvers_off``), so nothing the walk missed can call one.
+_PATH_KEYS = ("data.root", "knn.train_dir", "knn.val_dir", "train.resume", "train.output_dir")
 # Keys a recipe file may not point outside the output root with (it writes there).
 _OUTPUT_KEYS = ("train.output_dir",)
 
@@ -116,49 +125,277 @@ def _strings(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
         yield prefix, node
 
 
-def _check_recipe(cfg: DictConfig, where: str) -> None:
-    """No resolver calls (environment values never reach config.yaml or a checkpoint), a plain run
-    name, and output paths that stay inside the output root."""
-    strings = dict(_strings(OmegaConf.to_container(cfg, resolve=False)))  # as written: nothing resolved
-    for key, value in strings.items():
-        if _RESOLVER_CALL.search(value):
+def _resolver_calls(value: str) -> list[str]:
+    """The resolvers ``value`` would call, as written (``${n}`` for a name built from a key)."""
+    found, stack = [], [grammar_parser.parse(value)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, OmegaConfGrammarParser.InterpolationResolverContext):
+            found.append(node.resolverName().getText())
+        stack.extend(getattr(node, "children", None) or [])
+    return found
+
+
+def _check_interpolations(container: Any, where: str) -> None:
+    """No resolver calls anywhere in ``container`` (an unresolved plain container)."""
+    for key, value in _strings(container):
+        if "${" not in value:
+            continue
+        try:
+            calls = _resolver_calls(value)
+        except OmegaConfBaseException as e:
             raise ConfigError(
-                f"{where}: {key}={value!r} calls a resolver; recipes may only refer to other keys "
+                f"{where}: {key}={value!r:.80} is not a valid interpolation ({' '.join(str(e).split())})"
+            ) from None
+        if calls:
+            raise ConfigError(
+                f"{where}: {key}={value!r:.80} calls a resolver ({calls[0]}); recipes may only refer to other keys "
                 "(e.g. ${name}): write the value itself (environment values would be stored in config.yaml "
                 "and in every checkpoint)"
             )
-    name = cfg.get("name") if isinstance(cfg, DictConfig) else None
-    if name is not None:
-        check_run_name(name, where)
+
+
+@contextmanager
+def _resolvers_off() -> Iterator[None]:
+    """OmegaConf with no resolver registered (oc.env, oc.decode, ... included) while the block runs."""
+    saved = BaseContainer._resolvers
+    BaseContainer._resolvers = {}
+    try:
+        yield
+    finally:
+        BaseContainer._resolvers = saved
+
+
+def _loader(load: Callable[..., DictConfig]) -> Callable[..., DictConfig]:
+    """``load(path, ...)`` with no resolver registered, whose refusals all name the recipe."""
+
+    @functools.wraps(load)
+    def wrapper(path: str | Path, *args: Any, **kwargs: Any) -> DictConfig:
+        with _resolvers_off():
+            try:
+                return load(path, *args, **kwargs)
+            except UserError as e:
+                if str(path) in str(e):
+                    raise
+                raise type(e)(f"{path}: {e}") from None
+
+    return wrapper
+
+
+def _read_yaml(path: Path, chain: tuple[str, ...] = (), files_read: list[int] | None = None) -> DictConfig:
+    """A YAML file merged over its `_base_` file(s) (paths relative to it), recursively; the
+    chain bounded and free of loops (contrastive_transfer.yaml_limits)."""
+    path = path.resolve()
+    files_read = [0] if files_read is None else files_read
+    if chain:
+        check_chain(chain, str(path), files_read[0], "_base_")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist" + (f" (a _base_ of {chain[-1]})" if chain else ""))
+    files_read[0] += 1
+    # TODO(file gate): read through the base package's gate (regular file, size cap) once it lands.
+    text = decode_yaml(path.read_bytes(), str(path))
+    node = compose_text(text, str(path))  # aliases bounded, a mapping at the top, before OmegaConf builds it
+    bases = base_names(node, "_base_", str(path))
+    try:
+        cfg = OmegaConf.create(text)
+    except Exception as e:  # yaml errors carry the line
+        raise ConfigError(f"config file {path}: cannot parse: {' '.join(str(e).split())}") from None
+    assert isinstance(cfg, DictConfig)  # compose_text refused any other top level
+    _check_interpolations(OmegaConf.to_container(cfg, resolve=False), str(path))
+    cfg.pop("_base_", None)
+    merged = [_read_yaml(path.parent / b, (*chain, str(path)), files_read) for b in bases]
+    return _merge(str(path), *merged, cfg) if merged else cfg
+
+
+def _conflict(a: Any, b: Any, prefix: str = "") -> str | None:
+    """The first key where ``b`` puts a mapping over a non-mapping of ``a`` or the reverse."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in a.keys() & b.keys():
+            found = _conflict(a[k], b[k], f"{prefix}.{k}" if prefix else str(k))
+            if found is not None:
+                return found
+        return None
+    return prefix if isinstance(a, dict) != isinstance(b, dict) and None not in (a, b) else None
+
+
+def _merge(where: str, *configs: DictConfig) -> DictConfig:
+    """OmegaConf.merge, whose refusal to put a mapping over a value (or the reverse) names the key."""
+    try:
+        return OmegaConf.merge(*configs)
+    except OmegaConfBaseException as e:
+        plain = [OmegaConf.to_container(c, resolve=False) for c in configs]
+        key = next((k for i in range(1, len(plain)) for k in [_conflict(plain[i - 1], plain[i])] if k), "")
+        raise ConfigError(
+            f"{where}: {key or 'a key'} is a mapping in one file and a value (or a list) in another: "
+            f"cannot merge them ({' '.join(str(e).split()[:8])})"
+        ) from None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "int" if isinstance(value, int) else "float"
+    return {str: "str", list: "list", dict: "dict", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+_EXPECTED = {
+    "int": "an integer",
+    "float": "a number",  # an integer included
+    "str": "a string",
+    "list": "a list",
+    "dict": "a mapping of keys",
+}
+# Keys whose default is null, and the kinds they take besides null.
+_NULLABLE = {
+    "name": ("str",),
+    "data.views": ("list", "dict"),  # a dict edits the preset's views by index (data.views.0.jitter.p=0.5)
+    "data.min_crop_scale": ("int", "float"),
+    "data.colour_on_device": ("bool",),
+    "train.max_steps": ("int",),
+    "train.mixed_precision": ("str", "bool"),  # YAML reads a bare `no` as false
+    "train.channels_last": ("bool",),
+    "train.cudnn_benchmark": ("bool",),
+    "knn.train_dir": ("str",),
+    "knn.val_dir": ("str",),
+    "method.hidden_dim": ("int",),
+    "method.num_negatives": ("int",),
+    "method.loss.eqco_alpha": ("int", "float"),
+}
+
+
+def _check_kinds(value: Any, default: Any, key: str) -> None:
+    """``value`` (resolved) of the kind its default has (an integer also for a float default), at
+    every level: one line naming the key, the value and the kind expected."""
+    if isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r:.80}: expected a mapping of keys ({', '.join(map(str, default))})")
+        for k, v in value.items():
+            if k in default:
+                _check_kinds(v, default[k], f"{key}.{k}" if key else str(k))
+        return
+    if key in _NULLABLE:  # null or its kinds, whatever a method's default (SiMo's α 256 may be null)
+        allowed = (*_NULLABLE[key], "null")
+    elif default is None:  # a method's own optional key: its check reads it
+        allowed = ("null", "bool", "int", "float", "str")
+    else:
+        allowed = (_kind(default), "int") if _kind(default) == "float" else (_kind(default),)
+    if _kind(value) not in allowed:
+        shown = [k for k in allowed if k != "null" and not (k == "int" and "float" in allowed)]
+        words = [w for k in shown for w in (("true", "false") if k == "bool" else (_EXPECTED.get(k, k),))]
+        words += ["null"] if "null" in allowed else []
+        expected = ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
+        raise ConfigError(f"{key}={value!r:.80}: expected {expected}")
+    if isinstance(value, list) and isinstance(default, list) and default:
+        for i, item in enumerate(value):
+            _check_kinds(item, default[0], f"{key}.{i}")
+
+
+def _check_resolved(cfg: DictConfig, defaults: DictConfig, given: DictConfig, where: str) -> None:
+    """The checks on values as they will be used: kinds, paths, no interpolation left behind (a
+    value that still reads as ``${...}`` after resolving would be resolved again wherever the
+    config is read back)."""
+    resolved = OmegaConf.to_container(cfg, resolve=False)
+    try:
+        _check_kinds(resolved, OmegaConf.to_container(defaults, resolve=False), "")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    _check_numbers(resolved, where)
+    for key, value in _strings(resolved):
+        if "${" in value:
+            raise ConfigError(
+                f"{where}: {key}={value!r:.80}: reads as an interpolation once resolved (an escaped \\${{...}}); "
+                "write the value itself"
+            )
+    check_run_name(cfg.name, where)
+    for key in _PATH_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and (not isinstance(value, str) or "\x00" in value or not value):
+            raise ConfigError(f"{where}: {key}={value!r:.80}: expected a path")
+    on_command_line = OmegaConf.to_container(given, resolve=False)
     for key in _OUTPUT_KEYS:
-        value = strings.get(key)
-        why = escapes(value) if value is not None else None
+        value = OmegaConf.select(cfg, key)
+        named = functools.reduce(
+            lambda d, k: d.get(k) if isinstance(d, dict) else None, key.split("."), on_command_line
+        )
+        why = None if named is not None else escapes(value)
         if why is not None:
             raise ConfigError(
-                f"{where}: {key}={value!r} is {why}: a recipe's output stays inside the working directory; "
-                f"give another location on the command line ({key}=...) if you mean it"
+                f"{where}: {key}={value!r} is {why} once resolved: a recipe's output stays inside the working "
+                f"directory; give another location on the command line ({key}=...) if you mean it"
             )
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
-    """A YAML file merged over its `_base_` file(s) (paths relative to it), recursively."""
-    path = path.resolve()
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    if path in seen:
-        raise ConfigError(f"config file {path}: circular _base_ chain {' -> '.join(map(str, seen))}")
-    compose_yaml(path)  # aliases bounded and UTF-8 before OmegaConf builds the tree
+def saved_config(data: Any, where: str) -> DictConfig:
+    """A config stored in a checkpoint as an OmegaConf config that calls nothing when read: the
+    project stores configs resolved, so a value that reads as ``${...}`` was planted (it could call
+    ``oc.env`` the moment it is read)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: its config is a {type(data).__name__}, expected a mapping of keys")
+    for key, value in _strings(data):
+        if "${" in value:
+            raise ConfigError(
+                f"{where}: its config holds {key}={value!r:.80}, an interpolation; configs are stored resolved, "
+                "so this checkpoint was not written by the project as it is"
+            )
+    _check_numbers(data, where)
+    return OmegaConf.create(data)
+
+
+# Integers that size memory (a head, a queue, a batch): bounded far above any real recipe, so that
+# a config from elsewhere cannot ask for a 2,000,000-wide head or a billion-entry queue.
+_SIZES = {
+    "method.num_classes": 100_000,
+    "method.dim": 65_536,
+    "method.hidden_dim": 65_536,
+    "method.queue_size": 2**20,
+    "method.bank_size": 2**20,
+    "method.num_negatives": 2**20,
+    "train.batch_size": 2**16,
+    "data.image_size": 4096,
+}
+
+
+def _numbers(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _numbers(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _numbers(v, f"{prefix}.{i}")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield prefix, node
+
+
+def _check_numbers(container: Any, where: str) -> None:
+    """Every number finite (``.nan`` and ``.inf`` are YAML too), every size within ``_SIZES``."""
+    for key, value in _numbers(container):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: {key}={value!r}: expected a finite number")
+        if key in _SIZES and not 0 <= value <= _SIZES[key]:
+            raise ConfigError(f"{where}: {key}={value!r}: expected an integer up to {_SIZES[key]}")
+
+
+def _unresolvable(cfg: DictConfig, error: OmegaConfBaseException, where: str) -> ConfigError:
+    """One line naming the first value that cannot be resolved (OmegaConf.resolve names none)."""
+    for key, value in _strings(OmegaConf.to_container(cfg, resolve=False)):
+        if "${" in value:
+            try:
+                OmegaConf.select(cfg, key)
+            except OmegaConfBaseException as e:
+                error = e
+                return ConfigError(f"{where}: {key}={value!r:.80}: cannot resolve ({' '.join(str(e).split())})")
+    return ConfigError(f"{where}: cannot be resolved ({' '.join(str(error).split())})")
+
+
+def _select(cfg: DictConfig, key: str, where: str) -> Any:
     try:
-        cfg = OmegaConf.load(path)
-    except Exception as e:  # yaml errors carry the line
-        raise ConfigError(f"config file {path}: cannot parse: {e}") from e
-    _check_recipe(cfg, str(path))
-    bases = cfg.pop("_base_", None)
-    bases = [bases] if isinstance(bases, str) else list(bases or [])
-    merged = [_read_yaml(path.parent / b, seen + (path,)) for b in bases]
-    return OmegaConf.merge(*merged, cfg) if merged else cfg
+        return OmegaConf.select(cfg, key)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {key}: cannot resolve ({' '.join(str(e).split())})") from None
 
 
+@_loader
 def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: int = 1) -> DictConfig:
     """Resolve a recipe: engine defaults < method defaults < YAML chain < ``key=value`` overrides,
     older spellings upgraded (``pretrain.migrate``), then every derivation (the views in full, the
@@ -168,16 +405,16 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     unknown methods, values outside their choices and impossible settings.
     """
     path = Path(path)
-    recipe = upgrade(OmegaConf.to_container(_read_yaml(path), resolve=False))
-    user = OmegaConf.merge(OmegaConf.create(recipe), OmegaConf.create(upgrade(_parse_overrides(overrides))))
-    defaults = config_defaults(OmegaConf.select(user, "method.name"), OmegaConf.select(user, "method.loss.name"))
+    recipe = OmegaConf.create(upgrade(OmegaConf.to_container(_read_yaml(path), resolve=False)))
+    given = OmegaConf.create(upgrade(_parse_overrides(overrides)))
+    user = _merge("override", recipe, given)
+    defaults = config_defaults(_select(user, "method.name", str(path)), _select(user, "method.loss.name", str(path)))
     defaults.name = path.stem
-    if "loss" in defaults.method and OmegaConf.select(user, "method.loss") is not None:
-        user.method.loss = drop_other_losses_defaults(
-            OmegaConf.to_container(user.method.loss), defaults.method.loss.name
-        )
-        _check_foreign_loss_options(user.method.loss, defaults.method.loss.name)
     OmegaConf.set_struct(defaults, True)
+    loss = OmegaConf.select(user, "method.loss")
+    if "loss" in defaults.method and isinstance(loss, DictConfig):
+        user.method.loss = drop_other_losses_defaults(OmegaConf.to_container(loss), defaults.method.loss.name)
+        _check_foreign_loss_options(user.method.loss, defaults.method.loss.name)
     try:
         cfg = OmegaConf.merge(defaults, user)
     except ConfigKeyError as e:
@@ -188,9 +425,15 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
             f"{', loss ' + defaults.method.loss.name if parent == 'method.loss' else ''}): allowed keys"
             f"{' under ' + parent if parent else ''}: {sorted(node.keys())}"
         ) from None
+    except OmegaConfBaseException as e:  # a mapping over a value or the reverse: name the key
+        plain = [OmegaConf.to_container(c, resolve=False) for c in (defaults, user)]
+        key = e.full_key or _conflict(*plain) or ""
+        raise ConfigError(f"invalid value for {key!r}: {' '.join(str(e.msg).split('full_key:')[0].split())}") from None
+    try:
+        OmegaConf.resolve(cfg)  # under _resolvers_off: a resolver call of any name fails here
     except OmegaConfBaseException as e:
-        raise ConfigError(f"invalid value for {e.full_key!r}: {e.msg}") from None
-    OmegaConf.resolve(cfg)
+        raise _unresolvable(cfg, e, str(path)) from None
+    _check_resolved(cfg, defaults, given, str(path))
     if cfg.train.mixed_precision is False:  # YAML reads a bare `no` as false
         cfg.train.mixed_precision = "no"
     try:  # the views in full, with the crop scale that runs: config.yaml and --print-config show them
@@ -209,11 +452,7 @@ def _parse_overrides(overrides: Iterable[str]) -> dict:
     if bad:
         raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. train.batch_size=64)")
     given = OmegaConf.to_container(OmegaConf.from_dotlist(upgrade_overrides(list(overrides))), resolve=False)
-    for key, value in _strings(given):
-        if _RESOLVER_CALL.search(value):
-            raise ConfigError(f"override {key}={value!r} calls a resolver; give the value itself")
-    if "name" in given:
-        check_run_name(given["name"], "override")
+    _check_interpolations(given, "override")
     return given
 
 

@@ -31,7 +31,7 @@ from torchvision.transforms import v2
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 from contrastive_transfer.images import DECODE_ERRORS, open_rgb
-from contrastive_transfer.paths import scan_image_folder
+from contrastive_transfer.paths import scan_image_folder, shown
 from pretrain.augment import ViewTransform
 
 __all__ = [
@@ -513,7 +513,7 @@ class BadImageTracker:
         if self.exceeded:
             raise UnreadableImagesError(
                 f"{self.summary()}, above data.max_bad_fraction {self.max_fraction:.4%}: "
-                f"{', '.join(self.bad[:5])}{' ...' if len(self.bad) > 5 else ''}; "
+                f"{', '.join(map(shown, self.bad[:5]))}{' ...' if len(self.bad) > 5 else ''}; "
                 "fix or remove them, or raise data.max_bad_fraction to skip them"
             )
 

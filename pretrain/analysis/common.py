@@ -99,8 +99,10 @@ def is_training_checkpoint(state: dict) -> bool:
 
 def rebuild_method(state: dict, path: str | os.PathLike) -> tuple[nn.Module, Any]:
     """The method of a ``checkpoint_last.pth`` with its weights, and its config, on CPU."""
+    from pretrain.config import saved_config
     from pretrain.methods import METHODS
 
+    saved_config(state["config"], f"checkpoint {path}")  # no planted interpolation, no huge sizes
     cfg = OmegaConf.create(upgrade_saved(state["config"]))
     name = OmegaConf.select(cfg, "method.name")
     if name not in METHODS:

@@ -46,6 +46,7 @@ from pretrain.analysis.common import (
     write_json,
 )
 from pretrain.augment import build_view_transforms
+from pretrain.config import saved_config
 from pretrain.data import ImageDataset, collate
 from pretrain.losses import nt_xent_similarities
 
@@ -174,7 +175,7 @@ def setting_or_config(value, dotted: str, flag: str, default=None, *, cfg: dict,
     """``value`` if given, else the checkpoint config's ``dotted``, else ``default``."""
     if value is not None:
         return value
-    found = OmegaConf.select(OmegaConf.create(cfg), dotted) if cfg else None
+    found = OmegaConf.select(saved_config(cfg, str(checkpoint)), dotted) if cfg else None
     if found is None and default is None:
         raise AnalysisError(f"{checkpoint} has no {dotted} in its config: pass {flag}")
     return found if found is not None else default

@@ -24,6 +24,8 @@ from contrastive_transfer.images import open_rgb
 from contrastive_transfer.paths import inside, read_text, scan_image_folder
 
 PLACES205_LISTS = "trainvalsplit_places205"
+MAX_IMAGE_FOLDER_CLASSES = 100_000
+PLACES205_CLASSES = 205  # labels 0..204; a class list is sized by the largest label, so it is checked first
 PLACES205_IMAGES = "data/vision/torralba/deeplearning/images256"
 
 
@@ -61,6 +63,11 @@ def read_image_folder(root: str | os.PathLike) -> ImageList:
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: not a directory (expected an ImageFolder root <class>/<image>)")
     classes, class_to_idx = find_classes(str(root))
+    if len(classes) > MAX_IMAGE_FOLDER_CLASSES:  # a probe's head is sized by it
+        raise DatasetError(
+            f"{root}: {len(classes)} class folders, more than {MAX_IMAGE_FOLDER_CLASSES} (ImageNet-21k has 21,841); "
+            "is this the folder of classes?"
+        )
     samples = scan_image_folder(root, class_to_idx, IMG_EXTENSIONS)  # each directory once: no link loop
     return ImageList([p for p, _ in samples], [y for _, y in samples], classes)
 
@@ -78,8 +85,15 @@ def read_places205(root: str | os.PathLike, split: str) -> ImageList:
         if not line.strip():
             continue
         parts = line.split()
-        if len(parts) != 2 or not parts[1].lstrip("-").isdigit() or int(parts[1]) < 0:
-            raise DatasetError(f"{listing}:{n}: expected '<relative/path.jpg> <label >= 0>', got {line!r}")
+        if len(parts) != 2 or not (parts[1].isascii() and parts[1].isdigit()) or len(parts[1]) > 4:
+            raise DatasetError(
+                f"{listing}:{n}: expected '<relative/path.jpg> <label from 0 to {PLACES205_CLASSES - 1}>', "
+                f"got {line[:200]!r}"
+            )
+        if int(parts[1]) >= PLACES205_CLASSES:
+            raise DatasetError(
+                f"{listing}:{n}: label {parts[1]} is not a Places205 class (expected 0 to {PLACES205_CLASSES - 1})"
+            )
         paths.append(str(inside(root / PLACES205_IMAGES, parts[0], f"{listing}:{n}")))
         labels.append(int(parts[1]))
     if not paths:

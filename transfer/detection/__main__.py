@@ -56,6 +56,12 @@ def parser() -> argparse.ArgumentParser:
         help="folder with VOC2007/, VOC2012/, coco/ (default: $DETECTRON2_DATASETS or ./datasets)",
     )
     p.add_argument(
+        "--allow-network",
+        action="store_true",
+        help="fetch a _BASE_ or MODEL.WEIGHTS given as a URL (http(s)://, detectron2:// model-zoo names); "
+        "off by default: a URL is refused (docs/security.md)",
+    )
+    p.add_argument(
         "opts",
         default=None,
         nargs=argparse.REMAINDER,

@@ -17,10 +17,14 @@ adjustments that depend on where it runs, each logged as a notice:
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import pickle
+import re
 import zipfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -29,9 +33,11 @@ from detectron2.config import CfgNode, get_cfg
 from yacs.config import CfgNode as _YacsNode
 
 from contrastive_transfer.errors import ConfigError
+from contrastive_transfer.network import OPT_IN, fetch, fetch_to, is_url, local_name
 from contrastive_transfer.paths import escapes
 from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
-from contrastive_transfer.yaml_limits import check_yaml
+from contrastive_transfer.yaml_limits import base_names, check_chain, compose_text
+from contrastive_transfer.yaml_limits import decode as decode_yaml
 from transfer.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
 
 # key -> how its value changes when the total batch is multiplied by f
@@ -164,21 +170,125 @@ def _yaml_refusal(config_file: str, e: yaml.YAMLError) -> str:
     return f"{where}: not valid YAML ({problem}); fix the file"
 
 
-def build_config(config_file: str, opts: list[str], world_size: int = 1) -> tuple[CfgNode, list[str]]:
-    """Load `config_file` (with its ``_BASE_`` chain), apply the overrides `opts` and the
-    adjustments of the module docstring for `world_size` processes. Returns the frozen config
-    and the notices to log."""
-    if not Path(config_file).is_file():
-        raise ConfigError(f"--config-file {config_file}: no such file")
-    check_yaml(config_file, base_key="_BASE_")  # aliases bounded along the chain, before fvcore builds it
-    cfg = get_cfg()
+# Caps on what --allow-network may fetch (a real config is a few kB, a model-zoo .pkl below 1 GB).
+MAX_FETCHED_CONFIG_BYTES = 2**20
+MAX_FETCHED_WEIGHTS_BYTES = 2 * 2**30
+
+
+def _fvcore_name(parent: str, base: str) -> str:
+    """The name fvcore's ``load_yaml_with_base`` opens a ``_BASE_`` entry under."""
+    if base.startswith("~"):
+        base = os.path.expanduser(base)
+    if not base.startswith(("/", "https://", "http://")):
+        base = os.path.join(os.path.dirname(parent), base)
+    return base
+
+
+def _read_config_file(source: str, where: str, allow_network: bool) -> str:
+    if is_url(source):
+        return decode_yaml(fetch(source, where, allow_network, MAX_FETCHED_CONFIG_BYTES), source)
+    if not os.path.isfile(source):
+        raise ConfigError(f"{where} {source}: no such file")
+    # TODO(file gate): read through the base package's gate (regular file, size cap) once it lands.
+    return decode_yaml(Path(source).read_bytes(), source)
+
+
+def _check_version(node, source: str) -> None:
+    """detectron2 compares ``VERSION`` with its own (2) and upgrades older configs: an integer."""
+    for key, value in node.value if node is not None else []:
+        if key.value != "VERSION":
+            continue
+        version = yaml.safe_load(value.value) if isinstance(value, yaml.ScalarNode) else None
+        if type(version) is not int or not 1 <= version <= 2:
+            shown = value.value if isinstance(value, yaml.ScalarNode) else "a list or mapping"
+            raise ConfigError(f"{source}: VERSION={shown!r:.40}: expected the integer 1 or 2 (detectron2's)")
+
+
+def _config_texts(config_file: str, allow_network: bool) -> dict[str, tuple[str, str]]:
+    """Every file of the ``_BASE_`` chain, read once and checked (contrastive_transfer.yaml_limits:
+    expansion, a mapping at the top, ``_BASE_`` of the right type, depth, loops; URLs only with
+    ``allow_network``), by the name fvcore will ask for it: (what it names, its text)."""
+    texts: dict[str, tuple[str, str]] = {}
+    files_read = [0]
+
+    def visit(name: str, source: str, chain: tuple[str, ...]) -> None:
+        key = source if is_url(source) else os.path.realpath(source)
+        if chain:
+            check_chain(chain, key, files_read[0], "_BASE_")
+        files_read[0] += 1
+        text = _read_config_file(source, f"{chain[-1]}: _BASE_" if chain else "--config-file", allow_network)
+        node = compose_text(text, source)
+        if node is None and not text.strip("\ufeff \t\r\n"):
+            raise ConfigError(f"{source}: the config file is empty (expected detectron2 config keys)")
+        _check_version(node, source)
+        texts[name] = (source, text)
+        for base in base_names(node, "_BASE_", source):
+            # fvcore's name for it, and what it means: a URL (detectron2:// included) or a local path
+            # (file:// names one; fvcore would join it to the parent's folder as a relative name)
+            real = base if is_url(base) else local_name(base) if base.lower().startswith("file://") else None
+            visit(_fvcore_name(name, base), real or _fvcore_name(source, base), (*chain, key))
+
+    visit(config_file, config_file, ())
+    return texts
+
+
+def _merge_checked_files(cfg: CfgNode, config_file: str, texts: dict[str, tuple[str, str]]) -> None:
+    """detectron2's ``merge_from_file`` (versions, fvcore's ``_BASE_`` merging) over the texts
+    that were checked: fvcore opens nothing itself, so no iopath fetch, and no second read that
+    could differ from the first."""
+
+    class _Served(CfgNode):
+        @classmethod
+        def _open_cfg(cls, filename):
+            if filename not in texts:  # only if fvcore changed how it names bases
+                raise ConfigError(f"{filename}: a _BASE_ that was not read through the checks; report this")
+            source, text = texts[filename]
+            stream = io.StringIO(text)
+            stream.name = source  # PyYAML names it in its errors
+            return stream
+
+    object.__setattr__(cfg, "load_yaml_with_base", _Served.load_yaml_with_base)  # this instance only
     try:
         # allow_unsafe=False along the whole _BASE_ chain: detectron2's default (True) makes fvcore
         # fall back to yaml.unsafe_load, which runs !!python/object/apply tags.
         cfg.merge_from_file(config_file, allow_unsafe=False)
+    finally:
+        object.__delattr__(cfg, "load_yaml_with_base")
+
+
+def _local_weights(cfg: CfgNode, allow_network: bool) -> list[str]:
+    """``MODEL.WEIGHTS`` as a local file: ``file://`` as its path; a URL (``detectron2://``
+    included) refused, or with ``allow_network`` fetched into ``OUTPUT_DIR/fetched/``, where the
+    same checks as for a local file read it (``read_weights``, before training)."""
+    weights = cfg.MODEL.WEIGHTS
+    if not is_url(weights):
+        cfg.MODEL.WEIGHTS = local_name(weights)
+        return []
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(urlsplit(weights).path)) or "weights"
+    digest = hashlib.sha256(weights.encode()).hexdigest()[:12]
+    dest = Path(cfg.OUTPUT_DIR) / "fetched" / f"{digest}-{stem.lstrip('.')}"
+    fetch_to(weights, dest, "MODEL.WEIGHTS", allow_network, MAX_FETCHED_WEIGHTS_BYTES)
+    cfg.MODEL.WEIGHTS = str(dest)
+    return [f"MODEL.WEIGHTS {weights} fetched to {dest} ({OPT_IN}); checked like a local file"]
+
+
+def build_config(
+    config_file: str, opts: list[str], world_size: int = 1, allow_network: bool = False
+) -> tuple[CfgNode, list[str]]:
+    """Load `config_file` (with its ``_BASE_`` chain), apply the overrides `opts` and the
+    adjustments of the module docstring for `world_size` processes. Returns the frozen config
+    and the notices to log. URLs (``_BASE_``, ``MODEL.WEIGHTS``) are fetched only with
+    `allow_network` (contrastive_transfer.network)."""
+    config_file = local_name(config_file)
+    if not Path(config_file).is_file():
+        raise ConfigError(f"--config-file {config_file}: no such file")
+    texts = _config_texts(config_file, allow_network)
+    cfg = get_cfg()
+    try:
+        _merge_checked_files(cfg, config_file, texts)
     except yaml.YAMLError as e:
         raise ConfigError(_yaml_refusal(config_file, e)) from None
-    except (KeyError, ValueError, AssertionError) as e:
+    except (KeyError, ValueError, AssertionError, TypeError) as e:
         raise _explain(e, config_file) from None
     reference_batch = cfg.SOLVER.IMS_PER_BATCH
     pairs = _pairs(list(opts))
@@ -194,7 +304,8 @@ def build_config(config_file: str, opts: list[str], world_size: int = 1) -> tupl
             f"{config_file}: OUTPUT_DIR {cfg.OUTPUT_DIR!r} is {why}: a config file's output stays inside the "
             "working directory; give another location on the command line (OUTPUT_DIR PATH) if you mean it"
         )
-    notes = scale_schedule(cfg, reference_batch, {k for k, _ in pairs})
+    notes = _local_weights(cfg, allow_network)
+    notes += scale_schedule(cfg, reference_batch, {k for k, _ in pairs})
     notes += choose_device(cfg, world_size)
     notes += resolve_sync_norm(cfg, world_size)
     if cfg.SOLVER.IMS_PER_BATCH % world_size:

@@ -13,8 +13,8 @@ naming the file, raised before training starts (:func:`check_datasets`).
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +28,7 @@ from detectron2.data.datasets.builtin_meta import _get_builtin_metadata
 from detectron2.data.datasets.coco import load_coco_json
 from detectron2.data.datasets.pascal_voc import CLASS_NAMES as VOC_CLASS_NAMES
 
+from contrastive_transfer import json_limits
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.images import MAX_IMAGE_PIXELS  # noqa: F401  (sets Pillow's limit in every process)
 from contrastive_transfer.paths import inside
@@ -95,9 +96,10 @@ MAX_SIDE = 65535  # pixels; an image size beyond, read from an annotation, is br
 def _check_coco_json(name: str, path: Path, image_root: Path) -> None:
     """The fields detectron2 reads, present, of the right types and consistent, before it reads them."""
     try:
-        data = json.loads(_read_text(path, name))
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"dataset {name}: {path} is not valid JSON ({e})") from None
+        # TODO(file gate): read through the base package's gate (regular file, size cap) once it lands.
+        data = json_limits.loads(path.read_bytes(), f"dataset {name}: {path}")
+    except json_limits.JsonLimitError as e:
+        raise DatasetError(str(e)) from None
     if not isinstance(data, dict):
         raise DatasetError(f"dataset {name}: {path} holds a {type(data).__name__}, expected a COCO instances object")
     missing = [key for key in ("images", "annotations", "categories") if not isinstance(data.get(key), list)]
@@ -107,8 +109,11 @@ def _check_coco_json(name: str, path: Path, image_root: Path) -> None:
             "(a COCO instances file needs images, annotations and categories)"
         )
     for key, fields in _COCO_FIELDS.items():
+        seen: dict = {}
         for i, entry in enumerate(data[key]):
             bad = "not an object" if not isinstance(entry, dict) else _bad_fields(entry, fields)
+            if not bad and key != "categories" and seen.setdefault(entry["id"], i) != i:
+                bad = f"has id {entry['id']!r:.40}, which {key}[{seen[entry['id']]}] has too (ids are unique)"
             if bad:
                 raise DatasetError(f"dataset {name}: {path}: {key}[{i}] {bad}; fix the file")
     for image in data["images"]:  # detectron2 joins file_name to the image folder: it may not leave it
@@ -145,7 +150,30 @@ def _is_box(v) -> bool:
     )
 
 
-# What detectron2's load_coco_json reads of each entry, and what it must be.
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_segmentation(v) -> bool:
+    """Polygons (lists of numbers) or an RLE object with ``counts`` and ``size``; empty: none."""
+    if v is None or v == [] or v == {}:  # detectron2 skips an empty one
+        return True
+    if isinstance(v, list):
+        return all(isinstance(p, list) and all(map(_is_number, p)) for p in v)
+    if isinstance(v, dict):
+        counts, size = v.get("counts"), v.get("size")
+        return (
+            (isinstance(counts, str) or (isinstance(counts, list) and all(isinstance(c, int) for c in counts)))
+            and isinstance(size, list)
+            and len(size) == 2
+            and all(map(_is_side, size))
+        )
+    return False
+
+
+# What detectron2's load_coco_json (and pycocotools' index under it) reads of each entry, and what
+# it must be; a field marked optional is checked only where present.
+_OPTIONAL = "optional"
 _COCO_FIELDS = {
     "images": {
         "id": (lambda v: isinstance(v, (int, str)), "an integer or string"),
@@ -154,9 +182,23 @@ _COCO_FIELDS = {
         "width": (_is_side, f"an integer from 1 to {MAX_SIDE}"),
     },
     "annotations": {
+        "id": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
         "image_id": (lambda v: isinstance(v, (int, str)), "an integer or string"),
         "category_id": (lambda v: isinstance(v, int), "an integer"),
         "bbox": (_is_box, "a list of 4 numbers [x, y, w, h]"),
+        "segmentation": (
+            _is_segmentation,
+            "polygons [[x, y, ...], ...] or an RLE object with 'counts' and 'size' [height, width]",
+            _OPTIONAL,
+        ),
+        "keypoints": (
+            lambda v: isinstance(v, list) and len(v) % 3 == 0 and all(map(_is_number, v)),
+            "a list of numbers x, y, visibility per keypoint",
+            _OPTIONAL,
+        ),
+        "iscrowd": (lambda v: v in (0, 1) and not isinstance(v, bool), "0 or 1", _OPTIONAL),
+        "area": (lambda v: _is_number(v) and v >= 0, "a number >= 0 (COCO's evaluation bins objects by it)", _OPTIONAL),
+        "ignore": (lambda v: v == 0 and not isinstance(v, bool), "0 (detectron2 reads no ignored objects)", _OPTIONAL),
     },
     "categories": {
         "id": (lambda v: isinstance(v, int), "an integer"),
@@ -166,8 +208,10 @@ _COCO_FIELDS = {
 
 
 def _bad_fields(entry: dict, fields: dict) -> str:
-    for key, (ok, expected) in fields.items():
+    for key, (ok, expected, *optional) in fields.items():
         if key not in entry:
+            if optional:
+                continue
             return f"lacks {key!r}"
         if not ok(entry[key]):
             return f"has {key}={entry[key]!r:.60}, expected {expected}"
@@ -209,6 +253,8 @@ def _voc_record(name: str, base: Path, image_id: str) -> dict:
             bbox = [float(obj.findtext(f"bndbox/{k}")) for k in ("xmin", "ymin", "xmax", "ymax")]  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise DatasetError(f"{where}: a {cls} object without a numeric <bndbox> xmin/ymin/xmax/ymax") from None
+        if not all(map(math.isfinite, bbox)):
+            raise DatasetError(f"{where}: a {cls} object whose <bndbox> is not finite ({bbox})")
         bbox[0] -= 1.0  # 1-based inclusive pixel indices, as detectron2 reads them
         bbox[1] -= 1.0
         instances.append({"category_id": VOC_CLASS_NAMES.index(cls), "bbox": bbox, "bbox_mode": BoxMode.XYXY_ABS})

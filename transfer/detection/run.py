@@ -128,7 +128,7 @@ def check_inputs(cfg: CfgNode, args) -> None:
     # Read (and validate) every set now: a broken test set would otherwise surface after training,
     # a broken training set inside the launched processes as a traceback.
     check_datasets(names, args.data_root, load=True)
-    if cfg.MODEL.WEIGHTS and "://" not in cfg.MODEL.WEIGHTS:
+    if cfg.MODEL.WEIGHTS:  # a local file here: build_config refused or fetched a URL (docs/security.md)
         read_weights(cfg.MODEL.WEIGHTS)
     elif not cfg.MODEL.WEIGHTS:
         logging.getLogger("detectron2").warning("MODEL.WEIGHTS is empty: the backbone starts from random weights")
@@ -173,7 +173,7 @@ def run(args) -> dict:
     """The whole job (all seeds); returns what it wrote to ``OUTPUT_DIR/metrics.json``. The output
     directory is locked on each machine for the job (a second job into it stops at once)."""
     world_size = args.num_gpus * args.num_machines
-    cfg, notes = build_config(args.config_file, args.opts, world_size)
+    cfg, notes = build_config(args.config_file, args.opts, world_size, allow_network=args.allow_network)
     register_datasets(args.data_root)
     check_inputs(cfg, args)
     with OutputLock(cfg.OUTPUT_DIR, "OUTPUT_DIR"):
