@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from contrastive_transfer.cli import UserError
 
@@ -18,10 +18,14 @@ from contrastive_transfer.cli import UserError
 # not done), not 1 (the failures that need a person), not 128+N (killed by signal N).
 PREEMPTED_EXIT_CODE = 75
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+DEFAULT_SIGNALS: Sequence[str] = ("SIGTERM", "SIGUSR1")  # a cluster's preemption, time limit, early warning
 
 
-class Preempted(Exception):
-    """Raised by a training loop once it saved at the step reached after a preemption signal."""
+class Preempted(BaseException):
+    """Raised by a training loop once it saved at the step reached after a preemption signal.
+
+    A BaseException, like KeyboardInterrupt: a stop that was asked for, not a failure, so the
+    loops' ``except Exception`` (detectron2's logs a traceback there) leave it alone."""
 
 
 def signal_numbers(names: Iterable[str], key: str) -> list[signal.Signals]:
