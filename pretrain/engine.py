@@ -275,6 +275,7 @@ def stop_preempted(run: Run, step: int) -> NoReturn:
     run.accelerator.print(message)
     if run.metrics:
         run.metrics.close()
+    run.accelerator.end_training()  # the trackers' files flushed, as at a normal end
     raise Preempted(message)
 
 
