@@ -112,3 +112,37 @@ class ProgressLines:
             bar_format="{desc}{n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]",
         )
         print(line, file=self.file, flush=True)
+
+
+class Laps:
+    """The wall time since the previous metrics row, charged to named parts as it passes.
+
+    ``lap(name)`` charges the time since the previous lap to ``name``; nothing between two rows
+    escapes a part, so the parts add up to the window's wall time. ``row`` reports the per-step
+    parts as means over the window's steps and the others (a checkpoint, a monitor) as the
+    seconds they took in the window, then starts the next window."""
+
+    def __init__(self) -> None:
+        self.first = self.start = self.mark = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self.totals: dict[str, float] = {}  # over the whole run, for a closing summary
+        self.steps = 0
+
+    def lap(self, name: str, steps: int = 0) -> float:
+        """Charge the seconds since the previous lap to ``name`` (and count ``steps`` done); returns them."""
+        now = time.perf_counter()
+        seconds, self.mark = now - self.mark, now
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+        self.steps += steps
+        return seconds
+
+    def row(self, per_step: tuple[str, ...], extras: tuple[str, ...]) -> dict[str, float | int]:
+        """``{part}_time`` (a mean per step for ``per_step``, seconds for ``extras``), the window's
+        ``window_time`` (seconds, up to the last lap) and ``window_steps``."""
+        n = max(self.steps, 1)
+        out: dict[str, float | int] = {f"{p}_time": self.seconds.get(p, 0.0) / n for p in per_step}
+        out.update({f"{e}_time": self.seconds.get(e, 0.0) for e in extras})
+        out.update(window_time=self.mark - self.start, window_steps=self.steps)
+        self.start, self.seconds, self.steps = self.mark, {}, 0
+        return out

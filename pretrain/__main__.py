@@ -11,6 +11,7 @@ import argparse
 import os
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError, command
+from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
 from pretrain.config import load_config
 
 
@@ -138,7 +139,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     if note:
         accelerator.print(note)
-    train(cfg, accelerator)
+    try:
+        train(cfg, accelerator)
+    except Preempted:  # saved at the step reached; the engine printed what to do
+        raise SystemExit(PREEMPTED_EXIT_CODE) from None
 
 
 if __name__ == "__main__":

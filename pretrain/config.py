@@ -84,6 +84,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "cudnn_benchmark": None,  # cuDNN picks the fastest convolution per shape; null: on CUDA yes
         "compile": False,  # torch.compile the encoders (minutes of compilation at start; off by default)
         "dist_timeout_minutes": 60,  # how long a process waits in a collective (NCCL's default is 10)
+        # stop after the current step, saved, and exit 75 (docs/failsafe.md); [] keeps the default actions
+        "preempt_signals": ["SIGTERM", "SIGUSR1"],
     },
     "knn": {  # optional kNN monitor on a labelled ImageFolder, every `every_epochs` epochs
         "train_dir": None,

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove_stale_temporaries
 from contrastive_transfer.contract import FINAL_NAME, LAST_NAME
 from contrastive_transfer.paths import shown
-from contrastive_transfer.progress import progress
+from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptSignals, ignore_in_worker
+from contrastive_transfer.progress import Laps, progress
 from pretrain import dist
 from pretrain.checkpoint import (
     ResumeError,
@@ -191,7 +192,10 @@ class Run:
     steps_per_epoch: int
     last_step: int
     bad_images: BadImageTracker
+    preempt: PreemptSignals
     metrics: IO[str] | None = None  # metrics.jsonl on the main process, opened once the resume trimmed it
+    laps: Laps = field(default_factory=Laps)  # where the wall time since the previous row went
+    stopping: bool = False  # all processes agreed to stop after this step (a preemption signal)
 
     @property
     def out(self) -> Path:
@@ -200,40 +204,83 @@ class Run:
 
 def train(cfg, accelerator: Accelerator) -> Path:
     """Pretrain as configured; returns the path of ``checkpoint_final.pth``. The output directory
-    is this run's alone until it returns or fails."""
+    is this run's alone until it returns or fails. A preemption signal (``train.preempt_signals``)
+    ends the run after the step it reached, saved, by raising ``Preempted``."""
+    preempt = PreemptSignals(cfg.train.preempt_signals)  # a bad signal name stops before any work
     lock = claim_output_dir(Path(cfg.train.output_dir), accelerator.is_main_process)
+    run = None
     try:
-        run = setup(cfg, accelerator)
-        step = resume(cfg, accelerator, run.method, run.optimizer, run.steps_per_epoch)
-        if accelerator.is_main_process:
-            trim_metrics(run.out / "metrics.jsonl", step)
-            run.metrics = open(run.out / "metrics.jsonl", "a")
-        accelerator.init_trackers("pretrain")
-        bar = progress(
-            total=run.last_step,
-            initial=step,
-            desc=f"{cfg.method.name} pretrain",
-            unit="step",
-            disable=not accelerator.is_local_main_process,
-        )
-        waited, loop_start = 0.0, time.perf_counter()
-        while step < run.last_step:
-            step, epoch_waited = train_one_epoch(run, step, bar)
-            waited += epoch_waited
-            end_of_epoch(run, step, bar)
-        bar.close()
-        wall = time.perf_counter() - loop_start
-        accelerator.print(
-            f"waited for data {waited:.1f} s of {wall:.1f} s of training "
-            f"({waited / max(wall, 1e-9):.1%} of the wall time)"
-        )
-        return finish(run, step)
+        with preempt:
+            run = setup(cfg, accelerator, preempt)
+            step = resume(cfg, accelerator, run.method, run.optimizer, run.steps_per_epoch)
+            if accelerator.is_main_process:
+                trim_metrics(run.out / "metrics.jsonl", step)
+                run.metrics = open(run.out / "metrics.jsonl", "a")
+            accelerator.init_trackers("pretrain")
+            step = train_loop(run, step)
+            if step < run.last_step:
+                stop_preempted(run, step)
+            return finish(run, step)
     finally:
+        if run is not None:
+            stop_workers(run.loader)
         if lock is not None:
             lock.release()
 
 
-def setup(cfg, accelerator: Accelerator) -> Run:
+def stop_workers(loader: DataLoader) -> None:
+    """End the loader's persistent workers now, whatever ended the run.
+
+    They ignore the termination signals (``ignore_in_worker``), so the process exit, which
+    terminates its daemon children with SIGTERM and then joins them, would wait for them forever
+    while an exception (a preemption, an error kept by its traceback) keeps the loader alive. The
+    loader's own shutdown asks them to stop through their queues."""
+    iterator = getattr(loader, "_iterator", None)  # torch keeps the persistent workers' iterator there
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    loader._iterator = None
+
+
+def train_loop(run: Run, step: int) -> int:
+    """Epochs from ``step`` to the last step, or to the step at which all processes agreed to stop."""
+    bar = progress(
+        total=run.last_step,
+        initial=step,
+        desc=f"{run.cfg.method.name} pretrain",
+        unit="step",
+        disable=not run.accelerator.is_local_main_process,
+    )
+    run.laps = Laps()  # the first window starts here: setup and resume are no step's time
+    while step < run.last_step:
+        step = train_one_epoch(run, step, bar)
+        if run.stopping and step < run.last_step:
+            break  # its checkpoint is written; the epoch end's kNN monitor would only delay the exit
+        end_of_epoch(run, step, bar)
+    bar.close()
+    waited, wall = run.laps.totals.get("data", 0.0), run.laps.mark - run.laps.first
+    run.accelerator.print(
+        f"waited for data {waited:.1f} s of {wall:.1f} s of training ({waited / max(wall, 1e-9):.1%} of the wall time)"
+    )
+    return step
+
+
+def stop_preempted(run: Run, step: int) -> NoReturn:
+    """After the agreed stop: say which process got which signal, and raise ``Preempted``."""
+    received = dist.gather_objects(run.preempt.received)  # also waits until rank 0 wrote the checkpoint
+    who = ", ".join(f"process {r} got {name}" for r, name in enumerate(received) if name)
+    message = (
+        f"preempted ({who}): saved {run.out / LAST_NAME} at step {step} of {run.last_step}; exiting with "
+        f"code {PREEMPTED_EXIT_CODE}. The same command with train.resume=auto continues from there"
+    )
+    run.accelerator.print(message)
+    if run.metrics:
+        run.metrics.close()
+    run.accelerator.end_training()  # the trackers' files flushed, as at a normal end
+    raise Preempted(message)
+
+
+def setup(cfg, accelerator: Accelerator, preempt: PreemptSignals) -> Run:
     n_proc = accelerator.num_processes
     n_local = per_process_batch(cfg, n_proc)
     if accelerator.is_main_process:
@@ -250,6 +297,8 @@ def setup(cfg, accelerator: Accelerator) -> Run:
     )
     optimizer = build_optimizer(method, cfg)
     loader = build_data(cfg, accelerator, method, n_local)
+    # Workers get the cluster's signal too; dying of it, they would stop the run before it saves.
+    loader.worker_init_fn = partial(ignore_in_worker, preempt.names)
     steps_per_epoch = loader.sampler.batches_per_epoch
     last_step = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps is not None:
@@ -268,6 +317,7 @@ def setup(cfg, accelerator: Accelerator) -> Run:
         steps_per_epoch,
         last_step,
         BadImageTracker(cfg.data.max_bad_fraction),
+        preempt,
     )
 
 
@@ -309,36 +359,39 @@ def to_device(run: Run, batch):
     return images, batch[1].to(device, non_blocking=True), batch[2]
 
 
-def train_one_epoch(run: Run, step: int, bar) -> tuple[int, float]:
-    """From global ``step`` to the end of its epoch, or to the run's last step; returns the step
-    reached and the seconds spent waiting for data."""
+def train_one_epoch(run: Run, step: int, bar) -> int:
+    """From global ``step`` to the end of its epoch, to the run's last step, or to the step at which
+    the processes agreed to stop; returns the step reached."""
     set_loader_epoch(run.loader, *divmod(step, run.steps_per_epoch))
-    # data_time: how long each step waited for its batch; step_time: the rest of the step up to its
-    # metrics row (checkpoint included), so the two add up to the wall time between rows.
-    waited, t0 = 0.0, time.perf_counter()
+    # The wait for each batch (the epoch's loader start included) is charged to "data"; the step
+    # and what follows it to their own laps (see train_one_step).
     for images, labels, bad in prefetch(run.loader, partial(to_device, run)):
-        t_batch = time.perf_counter()
-        waited += t_batch - t0
+        run.laps.lap("data")
         run.bad_images.update(bad, run.n_local)
-        row = train_one_step(run, step, images, labels, data_time=t_batch - t0)
+        row = train_one_step(run, step, images, labels)
         step += 1
         if row is not None:
-            t_step = time.perf_counter() - t_batch  # after .item(): the device finished the step
-            row.update(step_time=t_step, time=time.time())  # time: wall clock, Unix seconds
             log_row(run, row)
             bar.set_postfix(
-                loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.3g}", data=f"{row['data_time']:.3f}s", step=f"{t_step:.3f}s"
+                loss=f"{row['loss']:.4f}",
+                lr=f"{row['lr']:.3g}",
+                data=f"{row['data_time']:.3f}s",
+                step=f"{row['step_time']:.3f}s",
             )
         bar.update(1)
-        if step == run.last_step:
+        if step == run.last_step or run.stopping:
             break
-        t0 = time.perf_counter()
-    return step, waited
+    return step
 
 
-def train_one_step(run: Run, step: int, images, labels, data_time: float) -> dict | None:
+# The parts of a row's window: means per step, and seconds spent between steps.
+PER_STEP, BETWEEN_STEPS = ("data", "step"), ("checkpoint", "knn")
+
+
+def train_one_step(run: Run, step: int, images, labels) -> dict | None:
     """Global step ``step + 1``, and its checkpoint when one is due; returns its metrics row when
-    the step is one that logs (else None)."""
+    the step is one that logs (else None). A preemption signal received on any process makes this
+    step the last: all processes save it and stop (``run.stopping``)."""
     cfg, method, optimizer = run.cfg, run.method, run.optimizer
     lr = lr_at(cfg, step, run.steps_per_epoch)
     for group in optimizer.param_groups:
@@ -348,15 +401,20 @@ def train_one_step(run: Run, step: int, images, labels, data_time: float) -> dic
 
     output = run.model(images, labels) if method.needs_labels else run.model(images)
     loss = output["loss"]
-    # Both stop conditions in one reduction that travels during the backward; read just before
-    # the step, so the step never applies a non-finite update and all ranks stop together.
+    # The stop conditions in one reduction that travels during the backward; read just before the
+    # step, so the step never applies a non-finite update and all ranks stop together. A signal
+    # that arrives later is seen at the next step: every rank reads its flag at the same step.
     flags = torch.stack(
-        [torch.isfinite(loss.detach()).all(), torch.tensor(not run.bad_images.exceeded, device=loss.device)]
+        [
+            torch.isfinite(loss.detach()).all(),
+            torch.tensor(not run.bad_images.exceeded, device=loss.device),
+            torch.tensor(run.preempt.received is None, device=loss.device),
+        ]
     )
     verdict = dist.start_all_ranks_true(flags)
     optimizer.zero_grad(set_to_none=True)
     run.accelerator.backward(loss)
-    finite, images_ok = verdict.wait()
+    finite, images_ok, carry_on = verdict.wait()
     if not images_ok:
         run.bad_images.check()  # raises naming this process's unreadable files
         raise UnreadableImagesError(
@@ -370,11 +428,17 @@ def train_one_step(run: Run, step: int, images, labels, data_time: float) -> dic
     method.after_step(skipped=run.accelerator.optimizer_step_was_skipped)  # e.g. AdCo's ascent
 
     step += 1
-    if step % cfg.train.checkpoint_every == 0 or step == run.last_step:
+    run.stopping = not carry_on
+    row = None
+    if step % cfg.train.log_every == 0 or diagnose or step == run.last_step or run.stopping:
+        row = metrics_row(run, step, lr, output, diagnose)  # reads the device: the step is done
+    run.laps.lap("step", steps=1)
+    if step % cfg.train.checkpoint_every == 0 or step == run.last_step or run.stopping:
         save_checkpoint(run, step)
-    if step % cfg.train.log_every == 0 or diagnose or step == run.last_step:
-        return metrics_row(run, step, lr, data_time, output, diagnose)
-    return None
+        run.laps.lap("checkpoint")
+    if row is not None:
+        row.update(run.laps.row(PER_STEP, BETWEEN_STEPS), time=time.time())  # time: wall clock, Unix seconds
+    return row
 
 
 def stopped(run: Run) -> str:
@@ -382,9 +446,9 @@ def stopped(run: Run) -> str:
     return f"stopped without saving. {last_good(run.out)} Lower optim.lr, or use train.mixed_precision=bf16/no"
 
 
-def metrics_row(run: Run, step: int, lr: float, data_time: float, output: dict, diagnose: bool) -> dict:
+def metrics_row(run: Run, step: int, lr: float, output: dict, diagnose: bool) -> dict:
     """The step's outputs averaged over the processes, and the gradient norms when diagnosed."""
-    row = {"step": step, "epoch": step / run.steps_per_epoch, "lr": lr, "data_time": data_time}
+    row = {"step": step, "epoch": step / run.steps_per_epoch, "lr": lr}
     row.update({k: run.accelerator.reduce(v.detach().float(), "mean").item() for k, v in output.items()})
     if diagnose:
         scaler = run.accelerator.scaler  # fp16: the retained gradient carries the loss scale
@@ -421,6 +485,7 @@ def end_of_epoch(run: Run, step: int, bar) -> None:
         return
     if step != run.last_step:
         save_checkpoint(run, step)
+        run.laps.lap("checkpoint")
     if run.cfg.knn.train_dir and epoch % run.cfg.knn.every_epochs == 0:
         knn_monitor(run, step, bar)
 
@@ -440,9 +505,10 @@ def knn_monitor(run: Run, step: int, bar) -> None:
         workers=cfg.data.num_workers,
         autocast=run.accelerator.autocast,
     )
+    seconds = run.laps.lap("knn")  # in the next row's knn_time
     if run.accelerator.is_main_process:
         log_row(run, {"step": step, "epoch": step / run.steps_per_epoch, "knn_top1": acc})
-        bar.write(f"epoch {step // run.steps_per_epoch}: kNN top-1 {acc:.2f}%")
+        bar.write(f"epoch {step // run.steps_per_epoch}: kNN top-1 {acc:.2f}% ({seconds:.1f} s)")
 
 
 def finish(run: Run, step: int) -> Path:

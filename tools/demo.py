@@ -345,7 +345,8 @@ def pretrain_summary(pretrain_dir: Path) -> str:
     if not steps:
         return "no pretraining figures (the stage failed or did not run)"
     knn = [r["knn_top1"] for r in rows if "knn_top1" in r]
-    seconds = sum(r.get("step_time", 0.0) + r.get("data_time", 0.0) for r in steps)  # step_time excludes data
+    # step_time excludes data; both are means over the row's window_steps (1 in rows written before)
+    seconds = sum((r.get("step_time", 0.0) + r.get("data_time", 0.0)) * r.get("window_steps", 1) for r in steps)
     text = (
         f"{steps[-1]['step']} steps ({steps[-1]['epoch']:.0f} epochs, ~{seconds / 60:.1f} min of steps), "
         f"final loss {steps[-1]['loss']:.3f}"

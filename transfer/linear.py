@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from contrastive_transfer.cli import OutputLock, command
+from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
 from transfer import eval_cli
 from transfer.layers import LAYERS
 from transfer.probe_presets import PRESETS, PROBE_STATE, ProbeSettings
@@ -87,7 +88,10 @@ def main(argv: list[str] | None = None) -> None:
         from contrastive_transfer.cli import atomic_write
         from transfer.linear_probe import run
 
-        metrics = run(probe)
+        try:
+            metrics = run(probe)
+        except Preempted:  # saved where it stopped; the probe logged what to do
+            raise SystemExit(PREEMPTED_EXIT_CODE) from None
         atomic_write(probe.output_dir / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
     print(json.dumps({k: round(metrics[k], 2) for k in ("top1", "top5", "best_top1")}))
 

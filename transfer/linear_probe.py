@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,13 @@ from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+from contrastive_transfer.preempt import (
+    DEFAULT_SIGNALS,
+    PREEMPTED_EXIT_CODE,
+    Preempted,
+    PreemptSignals,
+    ignore_in_worker,
+)
 from contrastive_transfer.progress import progress
 from contrastive_transfer.safe_load import UnsafeFileError, torch_load
 from transfer import eval_cli
@@ -158,6 +166,7 @@ class Probe:
     crop: int
     device: torch.device
     identity: dict  # what a resumed state must have been written with
+    preempt: PreemptSignals = field(default_factory=lambda: PreemptSignals(DEFAULT_SIGNALS, "the probe's signals"))
 
     @property
     def state_path(self) -> Path:
@@ -216,9 +225,9 @@ def setup(s: ProbeSettings) -> Probe:
     )
 
 
-def resume(probe: Probe) -> tuple[list[dict], int]:
-    """(history, next epoch) of the state on disk, loaded into the head and optimizer; refused when
-    it was written with other settings."""
+def resume(probe: Probe) -> tuple[list[dict], int, dict | None]:
+    """(history, next epoch, where a preempted epoch stopped or None) of the state on disk, loaded
+    into the head and optimizer; refused when it was written with other settings."""
     path = probe.state_path
     state = _read_probe_state(path)
     if state["identity"] != probe.identity:
@@ -229,12 +238,18 @@ def resume(probe: Probe) -> tuple[list[dict], int]:
         )
     probe.head.load_state_dict(state["head"])
     probe.optimizer.load_state_dict(state["optimizer"])
-    logger.info("resumed %s at epoch %d", path, state["epoch"])
-    return state["history"], state["epoch"]
+    partial = state.get("partial")  # written by a preempted run, inside its epoch
+    where = f" batch {partial['batch']}" if partial else ""
+    logger.info("resumed %s at epoch %d%s", path, state["epoch"], where)
+    return state["history"], state["epoch"], partial
 
 
-def train_epoch(probe: Probe, epoch: int, lr: float, first_loss: float | None) -> tuple[float, float | None]:
-    """One epoch of the head at ``lr``: (mean training loss, the run's first loss for the divergence stop)."""
+def train_epoch(
+    probe: Probe, epoch: int, lr: float, first_loss: float | None, partial: dict | None = None
+) -> tuple[float, float | None, dict | None]:
+    """One epoch of the head at ``lr``: (mean training loss, the run's first loss for the divergence
+    stop, None), or, stopped by a preemption signal before its last batch, (nan, first loss, where
+    it stopped: the next batch and the loss sums so far). ``partial`` continues such an epoch."""
     preset, seed = probe.settings.preset, probe.settings.seed
     for group in probe.optimizer.param_groups:
         group["lr"] = lr
@@ -248,10 +263,15 @@ def train_epoch(probe: Probe, epoch: int, lr: float, first_loss: float | None) -
         generator=order,
         num_workers=probe.settings.workers,
         drop_last=len(probe.train) > preset.batch_size,
+        worker_init_fn=functools.partial(ignore_in_worker, probe.preempt.names),  # the cluster signals them too
     )
     probe.head.train()
-    total, count = 0.0, 0
-    for x, y in progress(loader, len(loader), f"linear probe, epoch {epoch + 1}/{preset.epochs}"):
+    total, count, skip = (0.0, 0, 0) if partial is None else (partial["total"], partial["count"], partial["batch"])
+    for i, (x, y) in enumerate(progress(loader, len(loader), f"linear probe, epoch {epoch + 1}/{preset.epochs}")):
+        if i < skip:
+            # Loaded again but not trained on: the augmentations' random streams (here and in the
+            # workers) reach where the preempted run left them, so the continuation is exact.
+            continue
         with torch.no_grad():
             f = probe.features(x.to(**like(probe.features)))[preset.layer]
         loss = F.cross_entropy(probe.head(f), y.to(probe.device))
@@ -260,11 +280,14 @@ def train_epoch(probe: Probe, epoch: int, lr: float, first_loss: float | None) -
         loss.backward()
         probe.optimizer.step()
         total, count = total + loss.item() * len(y), count + len(y)
-    return total / max(count, 1), first_loss
+        if probe.preempt.received is not None and i + 1 < len(loader):
+            return math.nan, first_loss, {"batch": i + 1, "total": total, "count": count}
+    return total / max(count, 1), first_loss, None
 
 
-def save_state(probe: Probe, epoch: int, history: list[dict]) -> None:
-    """The state after ``epoch`` epochs, replacing the previous one atomically."""
+def save_state(probe: Probe, epoch: int, history: list[dict], partial: dict | None = None) -> None:
+    """The state after ``epoch`` epochs (and ``partial``'s batches of the next), replacing the
+    previous one atomically."""
     probe.settings.output_dir.mkdir(parents=True, exist_ok=True)
     state = {
         "identity": probe.identity,
@@ -272,6 +295,7 @@ def save_state(probe: Probe, epoch: int, history: list[dict]) -> None:
         "optimizer": probe.optimizer.state_dict(),
         "epoch": epoch,
         "history": history,
+        "partial": partial,
     }
     atomic_torch_save(state, probe.state_path)
 
@@ -282,13 +306,34 @@ def run(s: ProbeSettings) -> dict:
     if path.exists() and not s.resume:
         raise UserError(f"{path} exists: pass --resume to continue it, or choose another --output-dir")
     probe = setup(s)
-    history, start = resume(probe) if s.resume and path.exists() else ([], 0)
-    val_loader = DataLoader(probe.val, batch_size=s.preset.batch_size, num_workers=s.workers)
+    history, start, partial = resume(probe) if s.resume and path.exists() else ([], 0, None)
+    with probe.preempt:
+        epochs(probe, history, start, partial)
+    changed = backbone_changes(probe.model, probe.reference)
+    if changed:
+        raise RuntimeError(f"the frozen backbone changed during the linear probe: {', '.join(changed[:5])}")
+    return record(probe, history)
+
+
+def epochs(probe: Probe, history: list[dict], start: int, partial: dict | None) -> None:
+    """Train and evaluate from epoch ``start`` (``partial``: inside it) to the end. A preemption
+    signal stops after the batch under way (or after the epoch's evaluation, on its last batch),
+    saved, by raising ``Preempted``."""
+    s = probe.settings
+    val_loader = DataLoader(
+        probe.val,
+        batch_size=s.preset.batch_size,
+        num_workers=s.workers,
+        worker_init_fn=functools.partial(ignore_in_worker, probe.preempt.names),
+    )
     first_loss = None
     for epoch in range(start, s.preset.epochs):
         t0 = time.time()
         lr = s.preset.lr_at(epoch)
-        train_loss, first_loss = train_epoch(probe, epoch, lr, first_loss)
+        train_loss, first_loss, partial = train_epoch(probe, epoch, lr, first_loss, partial)
+        if partial is not None:
+            save_state(probe, epoch, history, partial)
+            stopped(probe, f"epoch {epoch + 1}, batch {partial['batch']}")
         acc = evaluate(probe.features, s.preset.layer, probe.head, val_loader, probe.device)
         history.append({"epoch": epoch + 1, "lr": lr, "train_loss": train_loss, **acc, "seconds": time.time() - t0})
         save_state(probe, epoch + 1, history)
@@ -301,10 +346,17 @@ def run(s: ProbeSettings) -> dict:
             acc["top1"],
             acc["top5"],
         )
-    changed = backbone_changes(probe.model, probe.reference)
-    if changed:
-        raise RuntimeError(f"the frozen backbone changed during the linear probe: {', '.join(changed[:5])}")
-    return record(probe, history)
+        if probe.preempt.received is not None and epoch + 1 < s.preset.epochs:
+            stopped(probe, f"the end of epoch {epoch + 1}")
+
+
+def stopped(probe: Probe, where: str) -> NoReturn:
+    message = (
+        f"preempted ({probe.preempt.received}): saved {probe.state_path} at {where}; exiting with code "
+        f"{PREEMPTED_EXIT_CODE}. The same command with --resume continues from there"
+    )
+    logger.warning(message)
+    raise Preempted(message)
 
 
 def record(probe: Probe, history: list[dict]) -> dict:

@@ -5,11 +5,17 @@ Cases: weights blown up by a huge lr are never saved; a truncated or empty check
 back to checkpoint_prev.pth, and with both unreadable the run stops in one line; a second run into a
 live output directory is refused; a resume with another seed is refused; an unwritable output stops
 before any work; temporaries of a killed write are removed and metrics.jsonl keeps every step once;
-the launcher checks (one process instead of N, the mixed precision the launcher asked for)."""
+the launcher checks (one process instead of N, the mixed precision the launcher asked for); a
+preemption signal in the middle of an epoch saves the step reached, exits 75, and the resumed run
+ends on the uninterrupted run's state bit for bit (DataLoader workers signalled too)."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from contrastive_transfer.cli import OutputLock
+from contrastive_transfer.contract import METHOD_STATE
 from pretrain import __main__ as cli
 from pretrain.checkpoint import LAST_NAME, PREV_NAME, read_training_state
 
@@ -137,6 +144,82 @@ def test_leftovers_of_a_killed_run_are_cleaned(synthetic_root, tmp_path, capsys)
     run(out, synthetic_root, "train.max_steps=4", "train.checkpoint_every=2")
     assert not stale.exists() and "removed .checkpoint_last.pth.tmp999999" in capsys.readouterr().out
     assert steps_logged(out) == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------ preemption
+
+
+def signal_at(monkeypatch, index: int, signame: str, workers_too: bool = False) -> None:
+    """Send ``signame`` to this process (and to its DataLoader workers, as a cluster signals every
+    process of a job) while the step of 0-based ``index`` runs, before its flags are reduced. It
+    comes from another process, `kill`, as the cluster's does: a worker that gets SIGTERM from its
+    own parent exits quietly (torch's worker handler), which would hide what a cluster does."""
+    from pretrain import engine
+
+    real = engine.lr_at
+
+    def lr_at(cfg, step, steps_per_epoch):
+        if step == index:
+            workers = [str(c.pid) for c in multiprocessing.active_children()] if workers_too else []
+            subprocess.run(["kill", "-s", signame.removeprefix("SIG"), *workers, str(os.getpid())], check=True)
+        return real(cfg, step, steps_per_epoch)
+
+    monkeypatch.setattr(engine, "lr_at", lr_at)
+
+
+def training_state(out: Path) -> dict[str, torch.Tensor]:
+    state = read_training_state(out / LAST_NAME)
+    flat = {f"method.{k}": v for k, v in state[METHOD_STATE].items()}
+    for i, param_state in state["optimizer"]["state"].items():
+        flat.update({f"optimizer.{i}.{k}": v for k, v in param_state.items() if isinstance(v, torch.Tensor)})
+    return flat
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers, signame", [(0, "SIGUSR1"), (2, "SIGTERM")])
+def test_a_signal_mid_epoch_saves_the_step_reached_and_the_resume_is_exact(
+    synthetic_root, tmp_path, monkeypatch, capsys, workers, signame
+):
+    # 400 images, batch 8: 50 steps an epoch; no periodic checkpoint before the end.
+    common = (f"data.num_workers={workers}", "train.checkpoint_every=100", "train.max_steps=6")
+    run(tmp_path / "straight", synthetic_root, *common)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    out = tmp_path / "preempted"
+    signal_at(monkeypatch, 3, signame, workers_too=workers > 0)  # in step 4
+    with pytest.raises(SystemExit) as stop:
+        run(out, synthetic_root, *common)
+    assert stop.value.code == 75
+    assert f"preempted (process 0 got {signame}): saved {out / LAST_NAME} at step 4 of 6" in capsys.readouterr().out
+    assert read_training_state(out / LAST_NAME)["step"] == 4 and not (out / "checkpoint_final.pth").exists()
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # the run's handlers are gone
+    assert not multiprocessing.active_children()  # workers ignoring the signal were stopped all the same
+    monkeypatch.undo()
+    run(out, synthetic_root, *common)  # train.resume=auto
+    assert "resumed from" in capsys.readouterr().out
+    straight, resumed = training_state(tmp_path / "straight"), training_state(out)
+    assert straight.keys() == resumed.keys()
+    different = [k for k, v in straight.items() if not torch.equal(v, resumed[k])]
+    assert not different, different
+    assert steps_logged(out) == list(range(1, 7))
+
+
+def test_workers_that_die_of_the_signal_stop_the_run_before_it_saves(synthetic_root, tmp_path, monkeypatch):
+    """The control of the workers' defence: workers that keep SIGTERM's default action die of it,
+    and the run ends with torch's worker error instead of a checkpoint."""
+    from pretrain import engine
+
+    monkeypatch.setattr(engine, "ignore_in_worker", lambda names, worker_id=0: None)
+    signal_at(monkeypatch, 2, "SIGTERM", workers_too=True)
+    with pytest.raises(RuntimeError, match="DataLoader worker .* killed by signal"):
+        run(tmp_path, synthetic_root, "data.num_workers=2", "train.checkpoint_every=100", "train.max_steps=4")
+    assert not (tmp_path / LAST_NAME).exists()
+
+
+def test_an_unknown_signal_name_stops_before_any_work(synthetic_root, tmp_path):
+    message = fails(tmp_path / "out", synthetic_root, "train.preempt_signals=[SIGTERM,SIGKILL]")
+    assert "train.preempt_signals: 'SIGKILL' is not a signal a process can handle" in message
+    assert not (tmp_path / "out").exists()
+    run(tmp_path / "none", synthetic_root, "train.preempt_signals=[]", "train.max_steps=1")  # [] is allowed
 
 
 # ------------------------------------------------------------------------------ launchers

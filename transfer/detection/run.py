@@ -21,9 +21,11 @@ from detectron2.config import CfgNode
 from detectron2.engine import default_setup, launch
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write
 from contrastive_transfer.errors import ConfigError
+from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
 from transfer.detection.config import build_config, read_weights
 from transfer.detection.datasets import check_datasets, register_datasets
 from transfer.detection.trainer import BackboneCheckingCheckpointer, Trainer
@@ -96,7 +98,10 @@ def worker(cfg: CfgNode, notes: list[str], args, skip_if_done: bool = False) -> 
     else:
         trainer = Trainer(cfg)
         trainer.resume_or_load(resume=args.resume)
-        trainer.train()
+        try:
+            trainer.train()
+        except Preempted:  # saved at the iteration reached; the hook logged what to do
+            raise SystemExit(PREEMPTED_EXIT_CODE) from None  # a launched process's exit code
         results, iteration = getattr(trainer, "_last_eval_results", {}), trainer.iter  # == MAX_ITER when done
     if comm.is_main_process():
         if len(cfg.DATASETS.TEST) == 1:  # DefaultTrainer.test unwraps a single dataset's results
@@ -192,14 +197,19 @@ def _run_seeds(cfg: CfgNode, notes: list[str], args) -> dict:
         run_cfg.freeze()
         metrics_path = Path(run_cfg.OUTPUT_DIR) / "metrics.json"
         # Whether a seed is finished is decided inside the launched processes, by global rank 0.
-        launch(
-            worker,
-            args.num_gpus,
-            num_machines=args.num_machines,
-            machine_rank=args.machine_rank,
-            dist_url=args.dist_url,
-            args=(run_cfg, notes, args, len(seeds) > 1 and args.resume),
-        )
+        try:
+            launch(
+                worker,
+                args.num_gpus,
+                num_machines=args.num_machines,
+                machine_rank=args.machine_rank,
+                dist_url=args.dist_url,
+                args=(run_cfg, notes, args, len(seeds) > 1 and args.resume),
+            )
+        except ProcessExitedException as e:  # several processes: spawn reports the first exit code
+            if e.exit_code == PREEMPTED_EXIT_CODE:
+                raise SystemExit(PREEMPTED_EXIT_CODE) from None
+            raise
         if args.machine_rank == 0:  # global rank 0 lives on machine 0 and wrote the file
             runs[seed] = json.loads(metrics_path.read_text())
     if args.machine_rank != 0:

@@ -8,14 +8,16 @@ import os
 import re
 import weakref
 
+import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.data import MetadataCatalog
-from detectron2.engine import AMPTrainer, DefaultTrainer, SimpleTrainer, TrainerBase, create_ddp_model
+from detectron2.engine import AMPTrainer, DefaultTrainer, HookBase, SimpleTrainer, TrainerBase, create_ddp_model
 from detectron2.evaluation import COCOEvaluator, PascalVOCDetectionEvaluator
 from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.preempt import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, Preempted, PreemptSignals
 from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
 
 logger = logging.getLogger("detectron2")
@@ -86,6 +88,43 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
         return incompatible
 
 
+class PreemptHook(HookBase):
+    """On SIGTERM or SIGUSR1 the iteration under way finishes, the processes agree to stop (a MAX
+    all-reduce of the flag after every iteration, so all of them stop after the same one), the main
+    process saves ``model_<iter>.pth`` and tags it as the last checkpoint, and ``Preempted`` ends
+    the run: ``--resume`` continues at the next iteration. detectron2 writes the file before the
+    tag, so a save cut short leaves the previous checkpoint as the one resumed."""
+
+    def __init__(self, names=DEFAULT_SIGNALS) -> None:
+        self.signals = PreemptSignals(names, "detection's preemption signals")
+
+    def before_train(self) -> None:
+        self.signals.__enter__()
+
+    def after_train(self) -> None:
+        self.signals.__exit__()
+
+    def after_step(self) -> None:
+        trainer = self.trainer
+        if trainer.iter + 1 >= trainer.max_iter:
+            return  # the last iteration: the run finishes, with its final checkpoint and evaluation
+        device = next(trainer.model.parameters()).device  # NCCL reduces CUDA tensors only
+        flag = torch.tensor([int(self.signals.received is not None)], device=device)
+        if comm.get_world_size() > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if not flag.item():
+            return
+        trainer.checkpointer.save(f"model_{trainer.iter:07d}", iteration=trainer.iter)  # the main process writes
+        comm.synchronize()
+        name = f"model_{trainer.iter:07d}.pth"
+        logger.warning(
+            f"preempted ({self.signals.received or 'another process got the signal'}): saved {name} at iteration "
+            f"{trainer.iter + 1} of {trainer.max_iter}; exiting with code {PREEMPTED_EXIT_CODE}. The same command "
+            "with --resume continues from there"
+        )
+        raise Preempted(name)
+
+
 class Trainer(DefaultTrainer):
     def __init__(self, cfg):
         # DefaultTrainer.__init__, except for two lines: DDP gets `device_ids` only for a CUDA
@@ -105,6 +144,13 @@ class Trainer(DefaultTrainer):
         self.max_iter = cfg.SOLVER.MAX_ITER
         self.cfg = cfg
         self.register_hooks(self.build_hooks())
+
+    def build_hooks(self):
+        hooks = super().build_hooks()
+        # After the LR scheduler's step (the state saved is the iteration's end), before the
+        # checkpointer and the evaluation (a long evaluation would eat the grace period).
+        hooks.insert(2, PreemptHook())
+        return hooks
 
     @classmethod
     def build_evaluator(cls, cfg, dataset_name, output_folder=None):
