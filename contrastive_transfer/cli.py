@@ -230,7 +230,11 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> Pat
     if bad is not None:
         raise NonFiniteValueError(f"{path}: {bad[0] or 'the value'}={bad[1]}: not a finite number; nothing written")
     text = json.dumps(obj, indent=indent, allow_nan=False)
-    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    return atomic_write(path, write)
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser, output_help: str) -> None:
 
 def converter_main(
     module: str, doc: str, output_help: str, convert: Callable[..., dict], report: Callable[[dict], str]
-) -> Callable[[list[str] | None], int]:
+) -> Callable[..., int]:
     """The ``main(argv)`` of the converter ``module`` (``python -m <module>``, described by the
     first line of its ``doc``): see ``run_converter``."""
 
