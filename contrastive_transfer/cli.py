@@ -9,18 +9,22 @@
 - ``OutputLock`` makes a run the only one writing into its output directory.
 - ``atomic_write`` writes through a temporary file beside the target, so a crash never leaves a
   torn file; ``remove_stale_temporaries`` clears what killed writers left behind.
+- ``write_json`` is how every evaluator writes its metrics: atomically, and never a NaN or an
+  infinity (JSON has none; a reader would choke on it or take it for a number).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
 import os
 import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = [
     "UserError",
@@ -29,6 +33,8 @@ __all__ = [
     "OutputLock",
     "atomic_write",
     "remove_stale_temporaries",
+    "write_json",
+    "NonFiniteValueError",
     "DEBUG_HELP",
 ]
 
@@ -198,6 +204,37 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+class NonFiniteValueError(UserError, ValueError):
+    """A NaN or an infinity on its way into a JSON file: nothing was written."""
+
+
+def _first_non_finite(obj: Any, where: str) -> tuple[str, float] | None:
+    """(dotted key, value) of the first non-finite float in nested dicts and lists, else None."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else (where, obj)
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        found = _first_non_finite(value, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
+
+
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> Path:
+    """``obj`` as JSON through ``atomic_write``. A NaN or infinity anywhere in it raises
+    NonFiniteValueError, one line naming the file and the key, before anything is written: an
+    earlier file at ``path`` stays as it was. An undefined value is written as null by its producer."""
+    bad = _first_non_finite(obj, "")
+    if bad is not None:
+        raise NonFiniteValueError(f"{path}: {bad[0] or 'the value'}={bad[1]}: not a finite number; nothing written")
+    text = json.dumps(obj, indent=indent, allow_nan=False)
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    return atomic_write(path, write)
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from converters.cli import run_converter
+from converters.cli import convert_backbone, converter_main
 
 if TYPE_CHECKING:  # the torch part is imported by convert(), so that --help answers at once
     from converters.checkpoint_io import Backbone
@@ -98,8 +98,7 @@ def convert(
     in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query", layout: str = "auto"
 ) -> dict:
     """Write the detectron2 pickle atomically; returns a summary (also what the CLI prints)."""
-    from contrastive_transfer.cli import atomic_write
-    from converters.checkpoint_io import CheckpointError, load_backbone, summary_lines
+    from converters.checkpoint_io import CheckpointError
 
     out_path = Path(out_path)
     if out_path.suffix != ".pkl":
@@ -107,9 +106,13 @@ def convert(
             f"{out_path}: the detectron2 weights must be named .pkl (detectron2 reads .pkl "
             "with pickle and anything else with torch.load)"
         )
-    if out_path.exists() and Path(in_path).exists() and out_path.samefile(in_path):
-        raise CheckpointError(f"{out_path}: the output would overwrite the input")
-    backbone = load_backbone(in_path, encoder, layout)
+    backbone, summary = convert_backbone(in_path, out_path, encoder, layout, _write_pickle)
+    return {**summary, "detectron2_config": detectron2_config(backbone)}
+
+
+def _write_pickle(backbone: Backbone, out_path: Path) -> int:
+    from contrastive_transfer.cli import atomic_write
+
     model = to_detectron2(backbone)
     payload = {"model": model, "__author__": AUTHOR, "matching_heuristics": True}
 
@@ -118,44 +121,23 @@ def convert(
             pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
 
     atomic_write(out_path, write)
-    return {
-        "input": str(in_path),
-        "output": str(out_path),
-        "layout": backbone.layout,
-        "encoder": encoder,
-        "arch": backbone.arch,
-        "depth": backbone.depth,
-        "stem": backbone.stem,
-        "tensors": len(model),
-        "dropped": backbone.dropped,
-        "detectron2_config": detectron2_config(backbone),
-        "lines": summary_lines(backbone),
-    }
+    return len(model)
 
 
 def _format_value(value: object) -> str:
     return "[" + ", ".join(f"{x:g}" for x in value) + "]" if isinstance(value, list) else str(value)
 
 
-def _report(summary: dict) -> None:
-    print(*summary["lines"], sep="\n")
-    print(f"wrote {summary['tensors']} detectron2 tensors to {summary['output']} ({summary['arch']})")
-    print(
+def _report(summary: dict) -> str:
+    return (
+        f"wrote {summary['tensors']} detectron2 tensors to {summary['output']} ({summary['arch']})\n"
         "set in the detectron2 config: "
         + ", ".join(f"{k}: {_format_value(v)}" for k, v in summary["detectron2_config"].items())
         + f", MODEL.WEIGHTS: {summary['output']}"
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_converter(
-        argv,
-        "python -m converters.to_detectron2",
-        __doc__.split("\n")[0],
-        "detectron2 weights to write (.pkl)",
-        convert,
-        _report,
-    )
+main = converter_main("converters.to_detectron2", __doc__, "detectron2 weights to write (.pkl)", convert, _report)
 
 
 if __name__ == "__main__":

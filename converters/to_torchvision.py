@@ -19,17 +19,13 @@ import os
 import sys
 from pathlib import Path
 
-from converters.cli import run_converter
+from converters.cli import convert_backbone, converter_main
 
 
 def convert(
     in_path: str | os.PathLike, out_path: str | os.PathLike, encoder: str = "query", layout: str = "auto"
 ) -> dict:
-    import torch  # here, so that --help answers at once
-    from safetensors.torch import save_file
-
-    from contrastive_transfer.cli import atomic_write
-    from converters.checkpoint_io import CheckpointError, load_backbone, summary_lines
+    from converters.checkpoint_io import CheckpointError
 
     out_path = Path(out_path)
     if out_path.suffix == ".pkl":
@@ -37,26 +33,20 @@ def convert(
             f"{out_path}: a torch.save file must not be named .pkl (detectron2 would read it "
             "with pickle); use .pth, or converters.to_detectron2 for a detectron2 pickle"
         )
-    if out_path.exists() and Path(in_path).exists() and out_path.samefile(in_path):
-        raise CheckpointError(f"{out_path}: the output would overwrite the input")
-    backbone = load_backbone(in_path, encoder, layout)
+    return convert_backbone(in_path, out_path, encoder, layout, _write_state_dict)[1]
+
+
+def _write_state_dict(backbone, out_path: Path) -> int:
+    import torch  # here, so that --help answers at once
+    from safetensors.torch import save_file
+
+    from contrastive_transfer.cli import atomic_write
+
     if out_path.suffix == ".safetensors":
         atomic_write(out_path, lambda tmp: save_file(backbone.state_dict, str(tmp), metadata=_metadata(backbone)))
     else:
         atomic_write(out_path, lambda tmp: torch.save(backbone.state_dict, tmp))
-    return {
-        "input": str(in_path),
-        "output": str(out_path),
-        "layout": backbone.layout,
-        "encoder": encoder,
-        "arch": backbone.arch,
-        "depth": backbone.depth,
-        "stem": backbone.stem,
-        "tensors": len(backbone.state_dict),
-        "weights_sha256": backbone.weights_sha256,
-        "dropped": backbone.dropped,
-        "lines": summary_lines(backbone),
-    }
+    return len(backbone.state_dict)
 
 
 def _metadata(backbone) -> dict[str, str]:
@@ -75,24 +65,21 @@ def _metadata(backbone) -> dict[str, str]:
     return meta
 
 
-def _report(summary: dict) -> None:
-    print(*summary["lines"], sep="\n")
+def _report(summary: dict) -> str:
     stem_note = "" if summary["stem"] == "imagenet" else "; small stem: rebuild conv1 as 3x3/1 and drop the max-pool"
-    print(
+    return (
         f"wrote {summary['tensors']} tensors to {summary['output']}: torchvision.models.{summary['arch']}() "
         f"loads them with strict=False (fc.* missing){stem_note}"
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_converter(
-        argv,
-        "python -m converters.to_torchvision",
-        __doc__.split("\n")[0],
-        "torchvision state dict to write (.pth, or .safetensors with the record as metadata)",
-        convert,
-        _report,
-    )
+main = converter_main(
+    "converters.to_torchvision",
+    __doc__,
+    "torchvision state dict to write (.pth, or .safetensors with the record as metadata)",
+    convert,
+    _report,
+)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.k < 1 or args.t <= 0:
         raise UserError(f"--k {args.k} / --t {args.t}: expected k >= 1 and t > 0")
 
-    from contrastive_transfer.cli import atomic_write
+    from contrastive_transfer.cli import write_json
     from converters.checkpoint_io import summary_lines
     from transfer.datasets.readers import read_image_folder
     from transfer.features import FeatureCache, LayerFeatures, Preprocessing, load_model
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         "val": {"dir": str(args.val_dir), "images": len(val)},
         **acc,
     }
-    atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
+    write_json(out / "metrics.json", metrics)
     logger.info(
         "kNN (k=%d, t=%g, %d-d): top-1 %.2f, top-5 %.2f", args.k, args.t, bank.shape[1], acc["top1"], acc["top5"]
     )

@@ -85,14 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # One probe per output directory: a second one would interleave its epochs into the same files.
     with OutputLock(probe.output_dir, "--output-dir"):
-        from contrastive_transfer.cli import atomic_write
+        from contrastive_transfer.cli import write_json
         from transfer.linear_probe import run
 
         try:
             metrics = run(probe)
         except Preempted:  # saved where it stopped; the probe logged what to do
             raise SystemExit(PREEMPTED_EXIT_CODE) from None
-        atomic_write(probe.output_dir / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
+        write_json(probe.output_dir / "metrics.json", metrics)
     print(json.dumps({k: round(metrics[k], 2) for k in ("top1", "top5", "best_top1")}))
 
 

@@ -163,7 +163,8 @@ class SvmResult:
                 c: {
                     "ap": 100.0 * float(self.test_ap[i]),
                     "cost": float(self.chosen_cost[i]),
-                    "cv_ap": [float(v) for v in self.cv_ap[i]],
+                    # null where a fold could not be fit (one class in its training part): no score
+                    "cv_ap": [float(v) if np.isfinite(v) else None for v in self.cv_ap[i]],
                     **(
                         {"objective_at_cost": float(self.refit_objective[i])}
                         if self.refit_objective is not None

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _evaluate_layers(args, layers, model, prep, train, test, metrics: dict, out, on_warnings) -> None:
     """Features of both splits (cached), then the SVMs of each layer; metrics.json rewritten after each."""
-    from contrastive_transfer.cli import atomic_write
+    from contrastive_transfer.cli import write_json
     from transfer.features import FeatureCache, LayerFeatures
 
     train.images.transform = test.images.transform = prep.transform()
@@ -229,7 +229,7 @@ def _evaluate_layers(args, layers, model, prep, train, test, metrics: dict, out,
         )
         metrics["layers"][name] = {**described[name], **result.to_json(), "svm_seconds": time.time() - start}
         logger.info("%s (%d-d): VOC07 SVM mAP %.2f", name, described[name]["dim"], result.map)
-        atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
+        write_json(out / "metrics.json", metrics)
 
 
 if __name__ == "__main__":

@@ -8,21 +8,25 @@ converters read) holds only the backbone.
 
 from __future__ import annotations
 
+import argparse
 import csv
+import inspect
 import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
+from torch.utils.data import DataLoader, Subset
 
 from contrastive_transfer.cli import UserError, atomic_write
 from contrastive_transfer.contract import METHOD_STATE, training_state
+from contrastive_transfer.progress import progress
 from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
 from pretrain.migrate import upgrade_saved
 
@@ -139,3 +143,20 @@ def query_encoder(method: nn.Module) -> nn.Module:
 def embed(net: nn.Module, images: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
     """L2-normalized fp32 outputs of ``net`` in its current mode, in chunks."""
     return torch.cat([F.normalize(net(x).float(), dim=1) for x in images.split(batch_size)])
+
+
+@torch.no_grad()
+def embed_dataset(net: nn.Module, dataset, indices: list[int], batch_size: int, desc: str) -> list[torch.Tensor]:
+    """Per view of ``dataset`` (an ``ImageDataset``), the (len(indices), d) embeddings of those
+    images, in batches of ``batch_size`` (BN in ``net``'s current mode sees one batch at a time)."""
+    from pretrain.data import collate
+
+    loader = DataLoader(Subset(dataset, indices), batch_size=batch_size, collate_fn=collate)
+    batches = [[embed(net, x, batch_size) for x in views] for views, _, _ in progress(loader, desc=desc)]
+    return [torch.cat(view) for view in zip(*batches)]
+
+
+def run_with_args(run: Callable[..., dict], args: argparse.Namespace) -> dict:
+    """``run`` called with the command-line arguments named as its parameters (the options' dest)."""
+    names = inspect.signature(run).parameters
+    return run(**{name: value for name, value in vars(args).items() if name in names})

@@ -23,22 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Subset
 
 from contrastive_transfer.contract import METHOD_STATE
-from pretrain.analysis.common import (
-    AnalysisError,
-    embed,
-    is_training_checkpoint,
-    load_checkpoint,
-    pyplot,
-    query_encoder,
-    rebuild_method,
-    save_figure,
-    write_csv,
-    write_json,
-)
-from pretrain.data import ImageDataset, collate
+from pretrain.analysis import common
+from pretrain.analysis.common import AnalysisError, write_csv, write_json
+from pretrain.data import ImageDataset
 
 # state_dict key of the method -> what it is. Each holds d×K negatives, one per column.
 NEGATIVE_BANKS = {
@@ -74,11 +63,8 @@ def embed_queries(
         raise AnalysisError(f"{root} has {len(dataset)} images, fewer than one batch of {batch_size}")
     keep = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:n]
     encoder.train()  # the statistics the loss saw: this batch's (a throwaway copy is updated)
-    queries = [
-        embed(encoder, x, batch_size)
-        for (x,), _, _ in DataLoader(Subset(dataset, keep.tolist()), batch_size=batch_size, collate_fn=collate)
-    ]
-    return torch.cat(queries), torch.arange(n) // batch_size
+    (queries,) = common.embed_dataset(encoder, dataset, keep.tolist(), batch_size, "negatives embed")
+    return queries, torch.arange(n) // batch_size
 
 
 def project(points: torch.Tensor, how: str, seed: int):
@@ -105,7 +91,7 @@ def quantiles(x: torch.Tensor) -> dict[str, float]:
 
 
 def plot(xy, n_neg: int, batch_of_query: torch.Tensor, title: str, label: str, path: Path) -> Path:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 6.5))
     ax.scatter(xy[:n_neg, 0], xy[:n_neg, 1], s=4, c="0.6", alpha=0.5, label=f"{label} ({n_neg})", rasterized=True)
     batches = batch_of_query.tolist()
@@ -117,7 +103,7 @@ def plot(xy, n_neg: int, batch_of_query: torch.Tensor, title: str, label: str, p
     ax.set_xticks([])
     ax.set_yticks([])
     ax.legend(fontsize=8, markerscale=1.5, loc="best")
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 def run(
@@ -140,19 +126,19 @@ def run(
             f"{checkpoint} does not exist: negatives needs the training checkpoint (the queue or "
             "adversaries live there; checkpoint_final.pth holds only the backbone)"
         )
-    state = load_checkpoint(checkpoint)
-    if not is_training_checkpoint(state):
+    state = common.load_checkpoint(checkpoint)
+    if not common.is_training_checkpoint(state):
         raise AnalysisError(
             f"{checkpoint} is not a training checkpoint (expected the keys method_state and config, "
             "as in checkpoint_last.pth)"
         )
     key, negatives = find_negatives(state[METHOD_STATE], checkpoint)
-    method, cfg = rebuild_method(state, checkpoint)
+    method, cfg = common.rebuild_method(state, checkpoint)
     batch_size = int(cfg.train.batch_size)
     num_queries = num_queries or 6 * batch_size
     data = data or cfg.data.root
     queries, batch_of_query = embed_queries(
-        query_encoder(method), type(method).view_transforms(cfg), data, num_queries, batch_size, seed
+        common.query_encoder(method), type(method).view_transforms(cfg), data, num_queries, batch_size, seed
     )
     if queries.shape[1] != negatives.shape[1]:
         raise AnalysisError(f"{checkpoint}: queries have {queries.shape[1]} dimensions, {key!r} {negatives.shape[1]}")
@@ -221,20 +207,13 @@ def add_arguments(parser) -> None:
         help="plot a seeded random subset of at most this many negatives (default %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", "--output-dir", type=Path, help="output folder (default RUN_DIR/analysis)")
+    parser.add_argument(
+        "--out", "--output-dir", dest="out_dir", type=Path, help="output folder (default RUN_DIR/analysis)"
+    )
 
 
 def cli(args) -> None:
-    s = run(
-        args.run_dir,
-        args.out,
-        args.checkpoint,
-        args.data,
-        args.num_queries,
-        args.projection,
-        args.max_negatives,
-        args.seed,
-    )
+    s = common.run_with_args(run, args)
     near = s["negative_to_nearest_query_cos"]
     ref = s["query_to_nearest_other_query_cos"]
     print(

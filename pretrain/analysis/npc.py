@@ -30,24 +30,12 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from torch.utils.data import DataLoader, Subset
 
-from contrastive_transfer.progress import progress
-from pretrain.analysis.common import (
-    AnalysisError,
-    embed,
-    is_training_checkpoint,
-    load_checkpoint,
-    pyplot,
-    query_encoder,
-    rebuild_method,
-    save_figure,
-    write_csv,
-    write_json,
-)
+from pretrain.analysis import common
+from pretrain.analysis.common import AnalysisError, write_csv, write_json
 from pretrain.augment import build_view_transforms
 from pretrain.config import saved_config
-from pretrain.data import ImageDataset, collate
+from pretrain.data import ImageDataset
 from pretrain.losses import nt_xent_similarities
 
 DEFAULT_BATCH_SIZES = (32, 64, 128, 256, 512, 1024)
@@ -77,10 +65,14 @@ def npc_by_batch_size(
 
 def load_embedder(path: Path) -> tuple[torch.nn.Module, dict | None, str]:
     """(network in eval mode, the run's config if the file has one, what the embedding is)."""
-    state = load_checkpoint(path)
-    if is_training_checkpoint(state):
-        method, cfg = rebuild_method(state, path)
-        return query_encoder(method).eval(), OmegaConf.to_container(cfg), "projection (query encoder: backbone + head)"
+    state = common.load_checkpoint(path)
+    if common.is_training_checkpoint(state):
+        method, cfg = common.rebuild_method(state, path)
+        return (
+            common.query_encoder(method).eval(),
+            OmegaConf.to_container(cfg),
+            "projection (query encoder: backbone + head)",
+        )
     from converters.checkpoint_io import CheckpointError, build_resnet, load_backbone
 
     try:
@@ -107,12 +99,8 @@ def embed_views(
     indices = torch.arange(len(dataset))
     if max_images is not None and max_images < len(dataset):
         indices = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_images].sort().values
-    z1, z2 = [], []
-    loader = DataLoader(Subset(dataset, indices.tolist()), batch_size=batch_size, collate_fn=collate)
-    for (x1, x2), _, _ in progress(loader, desc="npc embed"):
-        z1.append(embed(net, x1))
-        z2.append(embed(net, x2))
-    return torch.cat(z1), torch.cat(z2), indices
+    z1, z2 = common.embed_dataset(net, dataset, indices.tolist(), batch_size, "npc embed")
+    return z1, z2, indices
 
 
 def summarize(q: torch.Tensor) -> dict[str, float]:
@@ -137,7 +125,7 @@ def histogram_edges(values: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 def plot(stats: list[dict], values: dict[int, torch.Tensor], path: Path, title: str) -> Path:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, (ax_mean, ax_hist) = plt.subplots(1, 2, figsize=(12, 4.5))
     bs = [s["batch_size"] for s in stats]
     ax_mean.plot(bs, [s["mean"] for s in stats], "o-", color="tab:blue", label="mean ⟨q_B⟩")
@@ -168,7 +156,7 @@ def plot(stats: list[dict], values: dict[int, torch.Tensor], path: Path, title: 
     ax_hist.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 def setting_or_config(value, dotted: str, flag: str, default=None, *, cfg: dict, checkpoint: Path):
@@ -281,22 +269,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-images", type=int, help="use a seeded random subset of this many images")
     parser.add_argument("--seed", type=int, default=0, help="augmentation and batch partition seed")
     parser.add_argument(
-        "--out", "--output-dir", type=Path, help="output folder (default: CHECKPOINT's folder/analysis)"
+        "--out",
+        "--output-dir",
+        dest="out_dir",
+        type=Path,
+        help="output folder (default: CHECKPOINT's folder/analysis)",
     )
 
 
 def cli(args) -> None:
-    s = run(
-        args.checkpoint,
-        args.out,
-        args.data,
-        args.batch_sizes,
-        args.temperature,
-        args.augmentation,
-        args.image_size,
-        args.max_images,
-        args.seed,
-    )
+    s = common.run_with_args(run, args)
     print(f"NPC multiplier q_B of {s['checkpoint']} ({s['embedding']}), τ={s['temperature']:g}, {s['images']} images")
     print(f"{'B':>6} {'anchors':>8} {'mean':>8} {'C_v':>8} {'p05':>8} {'p50':>8} {'p95':>8}")
     for r in s["stats"]:

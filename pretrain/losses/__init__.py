@@ -4,7 +4,11 @@ bank), the similarities they consume (``similarities``) and their fp32 disciplin
 
 ``LOSSES`` (``registry``) is what ``method.loss.name`` chooses on every InfoNCE host, with the
 options each loss reads from its own key ``method.loss``; the loss modules themselves know
-nothing of the config."""
+nothing of the config, except a module that registers its own loss (``register_loss``): every
+module of this package is imported here, so that a new one needs no line elsewhere."""
+
+import importlib
+import pkgutil
 
 from .adversarial import AdversarialBank, adversary_gradient
 from .dcl import DCLLoss, DCLWLoss, dclw_weights, decoupled_nce
@@ -12,7 +16,7 @@ from .dual_temperature import DualTemperatureLoss, dual_temperature_nce, dual_te
 from .eqco import EqCoLoss, eqco_margin
 from .infonce import ContrastiveLoss, InfoNCELoss, info_nce, mi_lower_bound
 from .nt_xent import NTXentLoss, nt_xent_similarities
-from .registry import LOSSES, LossSpec, positive_number
+from .registry import LOSSES, LossSpec, positive_number, register_loss
 from .similarities import SAMPLING_MODES, in_batch_similarities, sample_negatives, similarities
 
 __all__ = [
@@ -38,6 +42,10 @@ __all__ = [
     "mi_lower_bound",
     "nt_xent_similarities",
     "positive_number",
+    "register_loss",
     "sample_negatives",
     "similarities",
 ]
+
+for _module in pkgutil.iter_modules(__path__):  # a loss module dropped in registers itself
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -3,8 +3,9 @@ key ``method.loss`` (with their defaults), their checks and how the loss is buil
 
 A run's ``method.loss`` holds the chosen loss's name and that loss's options only, so adding a loss,
 or an option to one, changes nothing for the runs of the others: what they print, save and compare
-on resume. The losses themselves take plain arguments and know nothing of the config; a new loss is
-one module plus one entry here.
+on resume. The losses themselves take plain arguments and know nothing of the config. A new loss is
+one module: its class, and its ``from_config`` decorated with ``register_loss`` (any module of this
+package is imported with it, so the decorator runs; a module elsewhere registers when imported).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .dual_temperature import DualTemperatureLoss
 from .eqco import EqCoLoss
 from .infonce import ContrastiveLoss, InfoNCELoss
 
-__all__ = ["LossSpec", "LOSSES", "positive_number"]
+__all__ = ["LossSpec", "LOSSES", "positive_number", "register_loss"]
 
 
 def positive_number(section, key: str, where: str = "method") -> None:
@@ -79,3 +80,21 @@ LOSSES: dict[str, LossSpec] = {
         lambda options: positive_number(options, "inter_temperature", "method.loss"),
     ),
 }
+
+
+def register_loss(
+    name: str, config_keys: Mapping[str, Any] | None = None, check: Callable[[Any], None] = _no_check
+) -> Callable[[Callable[[Any], ContrastiveLoss]], Callable[[Any], ContrastiveLoss]]:
+    """Decorates a loss's ``from_config(m)``: ``method.loss.name=<name>`` then builds the loss with
+    it, ``config_keys`` (with their defaults) are the options allowed under ``method.loss`` and
+    ``check(options)`` refuses impossible values (see ``LossSpec``). A name already taken by another
+    loss is refused: two modules cannot silently replace each other's loss."""
+
+    def register(from_config: Callable[[Any], ContrastiveLoss]) -> Callable[[Any], ContrastiveLoss]:
+        spec = LossSpec(from_config, dict(config_keys or {}), check)
+        if name in LOSSES and LOSSES[name].from_config is not from_config:
+            raise ValueError(f"loss {name!r} is already registered (by {LOSSES[name].from_config.__module__})")
+        LOSSES[name] = spec
+        return from_config
+
+    return register

@@ -32,7 +32,7 @@ from contrastive_transfer.errors import ConfigError
 from pretrain import dist
 from pretrain.augment import build_view_transforms
 from pretrain.diagnostics import contrastive_stats
-from pretrain.losses import LOSSES, SAMPLING_MODES, positive_number, sample_negatives
+from pretrain.losses import LOSSES, SAMPLING_MODES, in_batch_similarities, positive_number, sample_negatives
 
 
 class Method(nn.Module):
@@ -169,3 +169,20 @@ class InfoNCEHost(Method):
         if nce is not loss:
             stats["infonce"] = nce
         return loss, stats
+
+
+class InBatchHost(InfoNCEHost):
+    """An InfoNCE host whose negatives are the other B − 1 samples of the global batch (SiMo,
+    SimCo, and the template in docs/extending.md). BN is synchronized across processes, so that
+    its statistics span the batch the negatives come from."""
+
+    sync_bn = True
+
+    @classmethod
+    def available_negatives(cls, cfg, num_processes: int) -> int:
+        return cfg.train.batch_size - 1
+
+    def contrast_in_batch(self, q: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of this process's (N, d) queries against the (B, d) gathered keys, in rank order:
+        key ``rank_offset + i`` is the positive of query i, the other B − 1 its negatives."""
+        return self.contrast(*in_batch_similarities(q, keys, dist.rank_offset(q.shape[0])))

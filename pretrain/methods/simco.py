@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 
 from pretrain import dist
-from pretrain.losses import in_batch_similarities
-from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost
+from pretrain.methods.base import INFONCE_DEFAULTS, InBatchHost
 from pretrain.methods.simo import SiMo
 from pretrain.models import build_encoder, embed
 
@@ -48,13 +47,8 @@ class SimMoCo(SiMo):
         return out
 
 
-class SimCo(InfoNCEHost):
+class SimCo(InBatchHost):
     defaults = {**INFONCE_DEFAULTS, **DUAL_TEMPERATURE, "dim": 128, "head": "mlp", "hidden_dim": None}
-    sync_bn = True
-
-    @classmethod
-    def available_negatives(cls, cfg, num_processes: int) -> int:
-        return cfg.train.batch_size - 1
 
     def __init__(self, cfg, num_processes: int) -> None:
         super().__init__(cfg, num_processes)
@@ -69,7 +63,6 @@ class SimCo(InfoNCEHost):
         # One forward per view (BN statistics per view), as solo-learn does.
         z1, z2 = (embed(self.encoder, x) for x in views[:2])
         self.watch(z1)
-        offset = dist.rank_offset(z1.shape[0])
-        loss_12, logs = self.contrast(*in_batch_similarities(z1, dist.gather_with_grad(z2), offset))
-        loss_21, _ = self.contrast(*in_batch_similarities(z2, dist.gather_with_grad(z1), offset))
+        loss_12, logs = self.contrast_in_batch(z1, dist.gather_with_grad(z2))
+        loss_21, _ = self.contrast_in_batch(z2, dist.gather_with_grad(z1))
         return {**logs, "loss": 0.5 * (loss_12 + loss_21)}

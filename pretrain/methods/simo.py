@@ -21,12 +21,11 @@ from __future__ import annotations
 import torch
 
 from pretrain import dist
-from pretrain.losses import in_batch_similarities
-from pretrain.methods.base import INFONCE_DEFAULTS, InfoNCEHost, QueryKeyEncoders
+from pretrain.methods.base import INFONCE_DEFAULTS, InBatchHost, QueryKeyEncoders
 from pretrain.models import build_encoder, embed, momentum_copy, momentum_update
 
 
-class SiMo(QueryKeyEncoders, InfoNCEHost):
+class SiMo(QueryKeyEncoders, InBatchHost):
     defaults = {
         **INFONCE_DEFAULTS,
         "loss": {"name": "infonce", "eqco_alpha": 256},
@@ -37,11 +36,6 @@ class SiMo(QueryKeyEncoders, InfoNCEHost):
         "momentum": 0.999,
         "symmetric": False,
     }
-    sync_bn = True
-
-    @classmethod
-    def available_negatives(cls, cfg, num_processes: int) -> int:
-        return cfg.train.batch_size - 1
 
     def __init__(self, cfg, num_processes: int) -> None:
         super().__init__(cfg, num_processes)
@@ -53,18 +47,18 @@ class SiMo(QueryKeyEncoders, InfoNCEHost):
         )
         self.encoder_k = momentum_copy(self.encoder_q)
 
-    def contrast_in_batch(self, x_q: torch.Tensor, x_k: torch.Tensor):
+    def contrast_views(self, x_q: torch.Tensor, x_k: torch.Tensor):
+        """(queries, loss, diagnostics) of the query view against the gathered momentum keys."""
         q = embed(self.encoder_q, x_q)
         with torch.no_grad():
             keys = dist.gather_no_grad(embed(self.encoder_k, x_k))
-        loss, logs = self.contrast(*in_batch_similarities(q, keys, dist.rank_offset(q.shape[0])))
-        return q, loss, logs
+        return (q, *self.contrast_in_batch(q, keys))
 
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         x1, x2 = views[0], views[1]
         momentum_update(self.encoder_q, self.encoder_k, self.momentum)
-        q, loss, logs = self.contrast_in_batch(x1, x2)
+        q, loss, logs = self.contrast_views(x1, x2)
         self.watch(q)
         if self.symmetric:
-            loss = loss + self.contrast_in_batch(x2, x1)[1]
+            loss = loss + self.contrast_views(x2, x1)[1]
         return {"loss": loss, **logs}

@@ -20,7 +20,10 @@ from contrastive_transfer.cli import (
     command,
     ensure_writable_dir,
     remove_stale_temporaries,
+    write_json,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_command_turns_expected_failures_into_one_line_and_keeps_bugs():
@@ -159,3 +162,35 @@ def test_a_lost_peer_is_one_line_and_other_runtime_errors_keep_their_traceback()
     assert line is not None and "\n" not in line and "Connection closed by peer" in line
     assert peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None  # a bug stays a bug
     assert peer_lost(ValueError("Connection closed by peer")) is None
+
+
+def test_write_json_refuses_nan_in_one_line_and_keeps_the_earlier_file(tmp_path):
+    path = tmp_path / "metrics.json"
+    write_json(path, {"top1": 51.5, "per_class": {"cat": {"cv_ap": [0.5, None]}}})
+    before = path.read_bytes()
+    assert json.loads(before) == {"top1": 51.5, "per_class": {"cat": {"cv_ap": [0.5, None]}}}
+    bad = {"top1": 52.0, "per_class": {"cat": {"cv_ap": [0.5, float("nan")]}}}
+    assert "NaN" in json.dumps(bad)  # control: the json module writes it without complaint
+
+    @command
+    def evaluator(argv):
+        write_json(path, bad)
+
+    with pytest.raises(SystemExit) as e:
+        evaluator([])
+    assert e.value.code == f"error: {path}: per_class.cat.cv_ap[1]=nan: not a finite number; nothing written"
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["metrics.json"]
+    with pytest.raises(UserError, match=r"top5=inf"):
+        write_json(path, {"top5": float("inf")})
+
+
+def test_every_evaluator_writes_its_metrics_through_write_json():
+    """One writer for metrics: no module that writes a metrics.json dumps JSON into atomic_write itself."""
+    sources = [p for d in ("transfer", "converters", "pretrain") for p in (REPO / d).rglob("*.py")]
+    sources = [p for p in sources if "metrics.json" in p.read_text()]
+    offenders = [
+        str(p.relative_to(REPO)) for p in sources if re.search(r"atomic_write\([^\n]*json\.dumps", p.read_text())
+    ]
+    assert not offenders, offenders
+    for module in ("knn", "linear", "voc07_svm", "detection/run"):
+        assert "write_json(" in (REPO / "transfer" / f"{module}.py").read_text(), module

@@ -271,13 +271,10 @@ def test_npc_matches_a_per_anchor_brute_force(tiny_moco, synthetic_root, tmp_pat
 
 
 def test_npc_on_a_final_export_uses_backbone_features(tiny_moco, synthetic_root, tmp_path):
-    summary = npc.run(
-        tiny_moco / "checkpoint_final.pth",
-        tmp_path,
-        data=str(synthetic_root / "imagenet" / "train"),
-        batch_sizes=(4,),
-        max_images=8,
-    )
+    data = str(synthetic_root / "imagenet" / "train")
+    final = str(tiny_moco / "checkpoint_final.pth")
+    main(["npc", final, "--out", str(tmp_path), "--data", data, "--batch-sizes", "4", "--max-images", "8"])
+    summary = json.loads((tmp_path / "npc.json").read_text())
     assert summary["embedding"].startswith("backbone") and summary["temperature"] == 0.2
     assert 0.0 <= summary["stats"][0]["p05"] <= summary["stats"][0]["p95"] <= 1.0
 

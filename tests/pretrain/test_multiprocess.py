@@ -49,11 +49,12 @@ from torch import nn
 
 from pretrain import dist
 from pretrain.config import load_config
-from pretrain.losses import sample_negatives
+from pretrain.losses import LOSSES, sample_negatives
 from pretrain.methods import METHODS
 from pretrain.methods import base as methods_base
-from pretrain.models import Encoder, build_head, convert_sync_batchnorm
+from pretrain.models import convert_sync_batchnorm
 
+from ..method_cases import assert_tiny, loss_host, method_recipe, tiny_encoders
 from ..multiprocess_harness import WORLD, NaiveGather, Workers, assert_check_passed, ddp_average, rel_err
 
 pytestmark = pytest.mark.multiprocess
@@ -279,7 +280,6 @@ def _check_shuffle_bn(r, out_dir):
 # backbone. Images are SIZE_TINY px, everything fp32 as in training.
 
 SIZE_TINY = 6
-FEATURES = 8
 STEPS = 3
 LR = 0.1  # plain SGD: the parameters move enough for a wrong gradient to show
 # The cases run in float64, so that a difference tells a real one from rounding. Two processes sum
@@ -290,18 +290,6 @@ LR = 0.1  # plain SGD: the parameters move enough for a wrong gradient to show
 # (4.5e5 ε) leaves room for 20× the Xeon's amplification, while the controls are off by ≥ 1e-3.
 CASE_DTYPE = torch.float64
 CASE_RTOL = 1e-10
-
-
-def _tiny_build_encoder(arch, stem, head, dim, hidden_dim=None, bn_splits=1, out_bn=False) -> Encoder:
-    """Stands in for pretrain.models.build_encoder: conv → BN → ReLU → pool, then the real head."""
-    backbone = nn.Sequential(
-        nn.Conv2d(3, FEATURES, 3, padding=1, bias=False),
-        nn.BatchNorm2d(FEATURES),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-    )
-    return Encoder(backbone, build_head(head, FEATURES, hidden_dim or FEATURES, dim, out_bn))
 
 
 class _PerProcessBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -399,17 +387,35 @@ CASES = {
 }
 
 
+def _case_config(case: Case, num_processes: int, extra: tuple[str, ...] = ()):
+    recipe = RECIPES / f"{case.recipe}.yaml"
+    dim = ["method.dim=8"] if "dim" in METHODS[load_config(recipe).method.name].defaults else []
+    overrides = [f"train.batch_size={B}", f"data.image_size={SIZE_TINY}", *dim, *case.overrides, *extra]
+    return load_config(recipe, overrides, num_processes)
+
+
+def _registered_cases() -> dict[str, Case]:
+    """A plain case (no control) for every registered method and loss that CASES leaves out."""
+    methods, losses = set(), set()
+    for case in CASES.values():
+        m = _case_config(case, WORLD).method
+        methods.add(m.name)
+        losses |= {m.loss.name} if "loss" in m else set()
+    cases = {f"method_{name}": Case(method_recipe(name).stem) for name in sorted(set(METHODS) - methods)}
+    host = loss_host().stem
+    cases.update({f"loss_{name}": Case(host, (f"method.loss.name={name}",)) for name in LOSSES if name not in losses})
+    return cases
+
+
+CASES.update(_registered_cases())
+
+
 def _build(case: Case, num_processes: int, extra: tuple[str, ...] = ()) -> nn.Module:
-    cfg = load_config(
-        RECIPES / f"{case.recipe}.yaml",
-        [f"train.batch_size={B}", f"data.image_size={SIZE_TINY}", "method.dim=8", *case.overrides, *extra],
-        num_processes,
-    )
+    cfg = _case_config(case, num_processes, extra)
     torch.manual_seed(0)  # the engine's set_seed: the same weights, queue and bank on every rank
-    with contextlib.ExitStack() as stack:
-        for module in ("adco", "moco", "simclr", "simco", "simo"):
-            stack.enter_context(mock.patch(f"pretrain.methods.{module}.build_encoder", _tiny_build_encoder))
+    with tiny_encoders():
         method = METHODS[cfg.method.name](cfg, num_processes).train()
+    assert_tiny(method)
     if method.sync_bn and num_processes > 1:
         convert_sync_batchnorm(method, torch.device("cpu"))  # as the engine: global BN statistics
     if not method.sync_bn and num_processes == 1:
@@ -420,6 +426,12 @@ def _build(case: Case, num_processes: int, extra: tuple[str, ...] = ()) -> nn.Mo
 def _case_views(case: Case, step: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(10 + step)
     return [torch.randn(B, 3, s, s, generator=g, dtype=CASE_DTYPE) for s in case.view_sizes]
+
+
+def _labels(rank: int | None) -> torch.Tensor:
+    """Class indices of the global batch (a method with ``needs_labels``), this rank's slice."""
+    labels = torch.arange(B) % 3
+    return labels if rank is None else labels[rank * N : (rank + 1) * N]
 
 
 def _run(case: Case, rank: int | None, control: str | None = None) -> dict:
@@ -439,7 +451,7 @@ def _run(case: Case, rank: int | None, control: str | None = None) -> dict:
             views = [v[rank * N : (rank + 1) * N] for v in views]
         torch.manual_seed(100 + step)  # every rank as the reference: shuffle BN keeps rank 0's draw
         with patch():
-            loss = method(views)["loss"]
+            loss = (method(views, _labels(rank)) if method.needs_labels else method(views))["loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         loss = loss.detach().clone()

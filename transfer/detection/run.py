@@ -23,7 +23,7 @@ from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 from torch.multiprocessing.spawn import ProcessExitedException
 
-from contrastive_transfer.cli import OutputLock, UserError, atomic_write
+from contrastive_transfer.cli import OutputLock, UserError, write_json
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
 from transfer.detection.config import build_config, read_weights
@@ -32,10 +32,6 @@ from transfer.detection.trainer import BackboneCheckingCheckpointer, Trainer
 from transfer.features import file_digest
 
 HEADLINE = ("AP50", "AP", "AP75", "APs", "APm", "APl")
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, allow_nan=False)))
 
 
 def decided_by_rank0(value):
@@ -106,7 +102,7 @@ def worker(cfg: CfgNode, notes: list[str], args, skip_if_done: bool = False) -> 
     if comm.is_main_process():
         if len(cfg.DATASETS.TEST) == 1:  # DefaultTrainer.test unwraps a single dataset's results
             results = {cfg.DATASETS.TEST[0]: results}
-        write_json_atomic(
+        write_json(
             Path(cfg.OUTPUT_DIR) / "metrics.json",
             {
                 "config_file": args.config_file,
@@ -234,7 +230,7 @@ def _run_seeds(cfg: CfgNode, notes: list[str], args) -> dict:
             **aggregate(runs),
             "per_seed": {str(s): r["results"] for s, r in runs.items()},
         }
-        write_json_atomic(out / "metrics.json", metrics)
+        write_json(out / "metrics.json", metrics)
     for line in summary_lines(metrics):
         print(line, flush=True)
     return metrics
