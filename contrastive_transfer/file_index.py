@@ -35,13 +35,23 @@ class FileIndexError(UserError, ValueError):
 class FileIndex(Sequence):
     """``index[i] -> (absolute path, label)``, like the list of tuples it replaces."""
 
-    def __init__(self, root: str | os.PathLike, blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        blob: np.ndarray,
+        offsets: np.ndarray,
+        labels: np.ndarray,
+        classes: Sequence[str] = (),
+    ):
         self.root = os.fspath(root)
         self._prefix = os.fsencode(os.path.join(self.root, ""))
         self.blob, self.offsets, self.labels = blob, offsets, labels
+        self.classes = list(classes)  # label i names classes[i]; none for a flat folder (labels -1)
 
     @classmethod
-    def from_samples(cls, root: str | os.PathLike, samples: Iterable[tuple[str, int]]) -> "FileIndex":
+    def from_samples(
+        cls, root: str | os.PathLike, samples: Iterable[tuple[str, int]], classes: Sequence[str] = ()
+    ) -> "FileIndex":
         """Pack ``(path under root, label)`` pairs (absolute or relative paths)."""
         root = os.fspath(root)
         prefix = os.path.join(root, "")
@@ -56,7 +66,7 @@ class FileIndex(Sequence):
         offsets = np.zeros(len(names) + 1, dtype=np.int64)
         np.cumsum([len(n) for n in names], out=offsets[1:])
         blob = np.frombuffer(b"".join(names), dtype=np.uint8)
-        return cls(root, blob, offsets, np.asarray(labels, dtype=np.int32))
+        return cls(root, blob, offsets, np.asarray(labels, dtype=np.int32), classes)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -73,22 +83,44 @@ class FileIndex(Sequence):
     def save(self, path: str | os.PathLike) -> Path:
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a path
-                np.savez(f, blob=self.blob, offsets=self.offsets, labels=self.labels)
+                np.savez(
+                    f,
+                    blob=self.blob,
+                    offsets=self.offsets,
+                    labels=self.labels,
+                    classes=np.array(self.classes, dtype=str),
+                    root=np.array(self.root),
+                )
 
         return atomic_write(path, write)
 
     @classmethod
     def load(cls, path: str | os.PathLike, root: str | os.PathLike) -> "FileIndex":
-        """A saved index, checked: three arrays of the right types whose offsets fit the buffer."""
+        """A saved index, checked: arrays of the right types whose offsets fit the buffer, names
+        inside the root, labels that index its classes."""
         try:
             with np.load(path, allow_pickle=False) as arrays:
                 blob, offsets, labels = (arrays[k] for k in ("blob", "offsets", "labels"))
+                classes = arrays["classes"] if "classes" in arrays else np.array([], dtype=str)
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
             raise FileIndexError(f"{path}: not a file index ({' '.join(str(e).split()) or type(e).__name__})") from None
-        why = _inconsistency(blob, offsets, labels)
+        why = _inconsistency(blob, offsets, labels) or (
+            None if classes.ndim == 1 and classes.dtype.kind in "U" or not len(classes) else "class names not text"
+        )
         if why:
             raise FileIndexError(f"{path}: not a usable file index: {why}; delete it to rebuild it from the folder")
-        return cls(root, blob, offsets, labels)
+        index = cls(root, blob, offsets, labels, [str(c) for c in classes])
+        index.check_labels(len(index.classes), str(path))
+        return index
+
+    @staticmethod
+    def saved_root(path: str | os.PathLike) -> str | None:
+        """The dataset root a saved index was built from (None: unreadable or not recorded)."""
+        try:
+            with np.load(path, allow_pickle=False) as arrays:
+                return str(arrays["root"]) if "root" in arrays and arrays["root"].dtype.kind == "U" else None
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+            return None
 
     def check_labels(self, num_classes: int, where: str) -> None:
         """Labels are class indices (or -1 for a flat folder): nothing is sized by a bad one."""

@@ -30,8 +30,10 @@ from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
+from contrastive_transfer.file_index import FileIndex
 from contrastive_transfer.images import DECODE_ERRORS, open_rgb
 from contrastive_transfer.paths import scan_image_folder, shown
+from pretrain import dist
 from pretrain.augment import ViewTransform
 
 __all__ = [
@@ -93,6 +95,30 @@ def _scan(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     return [(p, -1) for p in flat], []
 
 
+def scan_index(root: str | os.PathLike) -> FileIndex:
+    """The folder's images as a packed index (``_scan``: ImageFolder or a flat folder)."""
+    samples, classes = _scan(Path(root))
+    return FileIndex.from_samples(root, samples, classes)
+
+
+def shared_index(root: str | os.PathLike, saved: Path, main: bool, fresh: bool) -> FileIndex:
+    """The dataset's index, scanned once per run by the main process and saved at ``saved`` (beside
+    the run); the other processes read that file instead of scanning the folder again, or scan it
+    themselves on a machine that cannot see it. A resumed run reads the index it started with (the
+    same files in the same order, whatever the folder gained since) unless ``fresh`` (a run that
+    does not resume) or the index was made from another root."""
+    error = None
+    if main and (fresh or FileIndex.saved_root(saved) != os.fspath(root)):
+        try:
+            scan_index(root).save(saved)
+        except (UserError, OSError) as e:  # every process stops with the same line
+            error = str(e)
+    error = dist.decided_by_rank0(error)
+    if error:
+        raise UserError(error)
+    return FileIndex.load(saved, root) if saved.is_file() else scan_index(root)
+
+
 class ImageDataset(Dataset):
     """Decodes each image once and applies every view transform to it.
 
@@ -113,6 +139,7 @@ class ImageDataset(Dataset):
         seed: int = 0,
         colour_on_device: bool = False,
         backend: str = "torchvision",
+        index: FileIndex | None = None,
     ):
         self.root = Path(root)
         self.views = list(views)
@@ -138,7 +165,10 @@ class ImageDataset(Dataset):
 
             self.on_device = [DeviceView(t) for t in self.views]
         self.seed = int(seed)
-        self.samples, self.classes = _scan(self.root)
+        # (path, label) per image, packed so that workers share it (``shared_index`` builds it once
+        # per run; without one given, the folder is scanned here)
+        self.samples = index if index is not None else scan_index(self.root)
+        self.classes = self.samples.classes
         # Shared memory: DataLoader workers (persistent ones too) see set_epoch made in the parent.
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 

@@ -48,12 +48,15 @@ from pretrain.data import (
     finish_views,
     prefetch,
     set_loader_epoch,
+    shared_index,
 )
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
 from pretrain.models import Encoder, convert_sync_batchnorm
 from pretrain.optim import build_optimizer, lr_at
+
+FILE_INDEX_NAME = "file_index.npz"  # the dataset's images as this run reads them (pretrain.data.shared_index)
 
 
 class NonFiniteLossError(UserError):
@@ -337,8 +340,10 @@ def build_data(cfg, accelerator: Accelerator, method, n_local: int) -> DataLoade
     views = method.view_transforms(cfg)  # two views of data.augmentation, or the method's own (multi-crop)
     device = accelerator.device
     colour_on_device = device.type == "cuda" if cfg.data.colour_on_device is None else cfg.data.colour_on_device
+    saved = Path(cfg.train.output_dir) / FILE_INDEX_NAME
+    index = shared_index(cfg.data.root, saved, accelerator.is_main_process, fresh=cfg.train.resume == "none")
     dataset = ImageDataset(
-        cfg.data.root, views, seed=cfg.train.seed, colour_on_device=colour_on_device, backend=cfg.data.backend
+        cfg.data.root, views, cfg.train.seed, colour_on_device, backend=cfg.data.backend, index=index
     )
     method.check_classes(dataset.classes, cfg.data.root)
     return build_loader(

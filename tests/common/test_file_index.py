@@ -26,19 +26,21 @@ def _folder(tmp_path):
 def test_the_index_is_the_scan_entry_for_entry_non_utf8_names_included(tmp_path):
     root = _folder(tmp_path)
     samples = scan_image_folder(root, {"cat": 0, "dog": 1}, (".jpg", ".jpeg", ".png"))
-    index = FileIndex.from_samples(root, samples)
+    index = FileIndex.from_samples(root, samples, ["cat", "dog"])
     assert len(index) == len(samples) == 5
     assert list(index) == samples and index[-1] == samples[-1] and index[1:3] == samples[1:3]
     assert all(os.path.exists(path) for path, _ in index)  # the undecodable name survives the round trip
     loaded = FileIndex.load(index.save(tmp_path / "file_index.npz"), root)
-    assert list(loaded) == samples
+    assert list(loaded) == samples and loaded.classes == ["cat", "dog"]
+    assert FileIndex.saved_root(tmp_path / "file_index.npz") == str(root)
     with pytest.raises(IndexError):
         index[5]
 
 
 def _planted(tmp_path, **arrays):
     good = FileIndex.from_samples("/r", [("a/x.jpg", 0), ("b/y.jpg", 1)])
-    fields = {"blob": good.blob, "offsets": good.offsets, "labels": good.labels} | arrays
+    fields = {"blob": good.blob, "offsets": good.offsets, "labels": good.labels, "classes": np.array(["a", "b"])}
+    fields |= arrays
     path = tmp_path / "planted.npz"
     with open(path, "wb") as f:
         np.savez(f, **fields)
@@ -54,6 +56,7 @@ def _planted(tmp_path, **arrays):
         ({"blob": np.frombuffer(b"../x.jpg/etc/pass", dtype=np.uint8), "offsets": np.array([0, 8, 17])}, "leaves"),
         ({"blob": np.frombuffer(b"a/x.jpg\x00b/y.jpg", dtype=np.uint8), "offsets": np.array([0, 7, 15])}, "NUL"),
         ({"labels": np.array([object(), 1], dtype=object)}, "not a file index"),  # a pickle inside
+        ({"labels": np.array([0, 2], dtype=np.int32)}, "labels outside"),  # only 2 classes
     ],
 )
 def test_a_planted_index_is_refused_in_one_line(tmp_path, arrays, word):

@@ -182,6 +182,7 @@ def test_each_file_is_written_by_global_rank_zero_only(runs):
             writers.setdefault(os.path.relpath(path, tmp / "runs"), set()).add(rank)
     two_nodes = {p: r for p, r in writers.items() if p.startswith("two_nodes")}
     assert any("checkpoint_last.pth" in p for p in two_nodes), "the audit saw no checkpoint: it cannot fail"
+    assert two_nodes.get("two_nodes/file_index.npz") == {"0"}, "the file index is built once, by rank 0"
     others = {p: r for p, r in two_nodes.items() if r != {"0"}}
     assert not others, f"files written by another process than global rank 0: {others}"
 
