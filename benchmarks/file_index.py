@@ -87,7 +87,8 @@ def measure(entries: int, workers: int) -> dict:
     # the list, its tuples and their strings (the labels are small ints, shared by the interpreter)
     list_mib = (sys.getsizeof(as_list) + sum(sys.getsizeof(t) + sys.getsizeof(t[0]) for t in as_list)) / 2**20
     t = time.perf_counter()
-    index = FileIndex.from_samples("/data/imagenet/train", as_list)
+    classes = [f"n{1440764 + c:08d}" for c in range(1000)]
+    index = FileIndex.from_samples("/data/imagenet/train", as_list, classes)
     build_s = time.perf_counter() - t
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
@@ -117,7 +118,7 @@ def report(m: dict, workers: int) -> str:
             "# An ImageNet-sized file index: what each loader worker copies",
             "",
             f"`python -m benchmarks.file_index --entries {m['entries']} --workers {workers}`; {cpu_name()}, "
-            f"{os.cpu_count()} cores, torch {torch.__version__}. One run: the figures are memory sizes, not "
+            f"{os.cpu_count()} cores, torch {torch.__version__}. One run, on a machine shared with other jobs: the figures are memory sizes, not "
             "timings, and do not vary between runs beyond a few pages; times are one measurement.",
             "",
             "| layout | held by the process (MiB) | each worker's private growth after one pass (MiB) |",
