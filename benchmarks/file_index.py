@@ -119,7 +119,8 @@ def report(m: dict, workers: int) -> str:
             "",
             f"`python -m benchmarks.file_index --entries {m['entries']} --workers {workers}`; {cpu_name()}, "
             f"{os.cpu_count()} cores, torch {torch.__version__}. One run, on a machine shared with other jobs: "
-            "the figures are memory sizes, not timings, and do not vary between runs beyond a few pages; times are one measurement.",
+            "the figures are memory sizes, not timings, and do not vary between runs beyond a few pages; "
+            "times are one measurement.",
             "",
             "| layout | held by the process (MiB) | each worker's private growth after one pass (MiB) |",
             "|---|---|---|",
