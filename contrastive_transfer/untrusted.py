@@ -211,9 +211,10 @@ def _view_problem(t: torch.Tensor, max_bytes: int | None = None) -> str | None:
     if reach >= storage:
         return f"views element {reach} of a storage of {storage}"
     if t.numel() > storage and (max_bytes is None or t.numel() * itemsize > max_bytes):
+        past = "" if max_bytes is None else f" past {_size(max_bytes)}"
         return (
             f"views {t.numel()} elements of a storage of {storage} (shape {tuple(t.shape)}, strides "
-            f"{tuple(t.stride())}): one stored value repeated" + ("" if max_bytes is None else f" past {_size(max_bytes)}")
+            f"{tuple(t.stride())}): stored values repeated{past}"
         )
     return None
 

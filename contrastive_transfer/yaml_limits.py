@@ -10,11 +10,11 @@ any loader sees it. It also refuses text that is not UTF-8.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import yaml
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.untrusted import read_untrusted
 
 MAX_YAML_NODES = 200_000  # the largest real config here has ~1,000
 
@@ -43,7 +43,7 @@ def compose(path: str | os.PathLike) -> yaml.Node | None:
     """The file's node graph after the checks of the module docstring (None for an empty file;
     a syntax error is left for the loader, which names the line)."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = read_untrusted(path, "config").decode("utf-8")  # the gate: a FIFO is refused, not waited on
     except UnicodeDecodeError as e:
         raise YamlLimitError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     try:

@@ -161,7 +161,7 @@ def read_training_state(path: Path) -> dict:
     try:
         # weights_only: a checkpoint from elsewhere (train.resume=FILE, a downloaded run folder)
         # must not run code; files written before the RNG key was a list need numpy's array globals.
-        state = torch_load(path, NUMPY_RNG_GLOBALS)
+        state = torch_load(path, NUMPY_RNG_GLOBALS, kind="training state")
     except UnsafeFileError as e:
         raise ResumeError(str(e)) from None
     except Exception as e:

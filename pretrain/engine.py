@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove_stale_temporaries
 from contrastive_transfer.contract import FINAL_NAME, LAST_NAME
+from contrastive_transfer.paths import printable
 from contrastive_transfer.progress import progress
 from pretrain import dist
 from pretrain.checkpoint import (
@@ -447,7 +448,8 @@ def knn_monitor(run: Run, step: int, bar) -> None:
 def finish(run: Run, step: int) -> Path:
     """Export ``checkpoint_final.pth`` and list the unreadable images that were skipped."""
     final = run.out / FINAL_NAME
-    skipped = sorted({path for paths in dist.gather_objects(run.bad_images.bad) for path in paths})
+    # printable: a file name that is not UTF-8 is written escaped, never failing the run at its end
+    skipped = sorted({printable(path) for paths in dist.gather_objects(run.bad_images.bad) for path in paths})
     if run.accelerator.is_main_process:
         export_final(final, run.method, run.cfg, step)
         if run.metrics:

@@ -54,7 +54,7 @@ def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         raise AnalysisError(f"{path} does not exist (expected the metrics.jsonl of a `python -m pretrain` run)")
     by_step: dict[int, dict] = {}
-    for number, line in enumerate(read_text(path, "metrics log").splitlines(), 1):
+    for number, line in enumerate(read_text(path, "metrics log", kind="log").splitlines(), 1):
         if not line.strip():
             continue
         try:

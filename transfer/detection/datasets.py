@@ -31,6 +31,7 @@ from detectron2.data.datasets.pascal_voc import CLASS_NAMES as VOC_CLASS_NAMES
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.images import MAX_IMAGE_PIXELS  # noqa: F401  (sets Pillow's limit in every process)
 from contrastive_transfer.paths import inside
+from contrastive_transfer.untrusted import UnsafeFileError, read_untrusted
 
 
 class DatasetError(UserError, FileNotFoundError):
@@ -95,7 +96,7 @@ MAX_SIDE = 65535  # pixels; an image size beyond, read from an annotation, is br
 def _check_coco_json(name: str, path: Path, image_root: Path) -> None:
     """The fields detectron2 reads, present, of the right types and consistent, before it reads them."""
     try:
-        data = json.loads(_read_text(path, name))
+        data = json.loads(_read_text(path, name, "json"))
     except json.JSONDecodeError as e:
         raise DatasetError(f"dataset {name}: {path} is not valid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -174,9 +175,12 @@ def _bad_fields(entry: dict, fields: dict) -> str:
     return ""
 
 
-def _read_text(path: Path, name: str) -> str:
+def _read_text(path: Path, name: str, kind: str) -> str:
+    """The file's text through the gate (``untrusted``: a regular file within the cap of ``kind``)."""
     try:
-        return path.read_bytes().decode("utf-8")
+        return read_untrusted(path, kind).decode("utf-8")
+    except UnsafeFileError as e:
+        raise DatasetError(f"dataset {name}: {e}") from None
     except UnicodeDecodeError as e:
         raise DatasetError(f"dataset {name}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
@@ -188,7 +192,9 @@ def _voc_record(name: str, base: Path, image_id: str) -> dict:
     path = base / "Annotations" / f"{image_id}.xml"
     where = f"dataset {name}: {path}"
     try:
-        tree = defused_etree.parse(path)
+        tree = ElementTree.ElementTree(defused_etree.fromstring(read_untrusted(path, "xml")))
+    except UnsafeFileError as e:
+        raise DatasetError(f"dataset {name}: {e}") from None
     except (DefusedXmlException, ElementTree.ParseError) as e:
         raise DatasetError(
             f"{where}: refused ({type(e).__name__}: {' '.join(str(e).split())}); VOC annotations are plain XML "
@@ -240,7 +246,7 @@ class VocSplit:
     def load(self, name: str, root: Path) -> list[dict]:
         base = root / self.folder
         listing = base / "ImageSets" / "Main" / f"{self.split}.txt"
-        ids = _read_text(listing, name).split()
+        ids = _read_text(listing, name, "list").split()
         for image_id in ids:  # ids join Annotations/ and JPEGImages/: none may lead outside them
             inside(base / "Annotations", f"{image_id}.xml", f"dataset {name}: {listing}: image id {image_id!r}")
         for image_id in ids:  # a missing one named before any is parsed
