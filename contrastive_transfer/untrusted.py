@@ -114,7 +114,7 @@ def _check_stat(path: str | os.PathLike, st: os.stat_result, kind: Kind, resolve
         raise _refuse(path, f"is {what}{where}, expected {kind.what} as a regular file")
     if st.st_size > kind.cap:
         raise _refuse(
-            path, f"is {_size(st.st_size)}, above the {_size(kind.cap)} limit for {kind.what} (docs/security.md)"
+            path, f"is {st.st_size} bytes, above the {_size(kind.cap)} limit for {kind.what} (docs/security.md)"
         )
 
 
