@@ -452,3 +452,33 @@ def test_the_gate_refuses_special_files_without_opening_them(tmp_path):
     with pytest.raises(UnsafeFileError, match=r"big\.yaml: is 1048577 bytes, above the 1 MiB limit for a config"):
         read_untrusted(big, "config")
     shutil.rmtree(tmp_path / "directory")
+
+
+@pytest.mark.parametrize("target", ["split", "xml", "image", "json"])
+@pytest.mark.parametrize("special", ["fifo", "dev_zero"])
+def test_detection_datasets_refuse_special_files_in_one_line(target, special, synthetic_root, tmp_path):
+    """The detection readers (in process: detectron2's import is too slow to start per mutant)."""
+    pytest.importorskip("detectron2")
+    from transfer.detection.datasets import DatasetError, check_datasets, register_datasets
+
+    voc = synthetic_root / "VOC2007"
+    first = (voc / "ImageSets" / "Main" / "test.txt").read_text().split()[0]
+    relative = {
+        "split": Path("VOC2007/ImageSets/Main/test.txt"),
+        "xml": Path(f"VOC2007/Annotations/{first}.xml"),
+        "image": Path(f"VOC2007/JPEGImages/{first}.jpg"),
+        "json": Path("coco/annotations/instances_val2017.json"),
+    }[target]
+    root = tmp_path / "data"
+    path = _linked_copy(synthetic_root, root, relative)
+    dict(SPECIAL)[special](path)
+    dataset = "coco_2017_val" if target == "json" else "voc_2007_test"
+    register_datasets(root)
+    try:
+        start = time.monotonic()
+        with pytest.raises(DatasetError) as e:
+            check_datasets([dataset], root, load=True)
+        assert time.monotonic() - start < 30
+    finally:
+        register_datasets()
+    assert "\n" not in str(e.value) and str(path) in str(e.value) and "expected" in str(e.value), str(e.value)

@@ -31,7 +31,7 @@ from detectron2.data.datasets.pascal_voc import CLASS_NAMES as VOC_CLASS_NAMES
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.images import MAX_IMAGE_PIXELS  # noqa: F401  (sets Pillow's limit in every process)
 from contrastive_transfer.paths import inside
-from contrastive_transfer.untrusted import UnsafeFileError, read_untrusted
+from contrastive_transfer.untrusted import UnsafeFileError, check_file, read_untrusted
 
 
 class DatasetError(UserError, FileNotFoundError):
@@ -57,10 +57,14 @@ def _checked(name: str, source: Path, records: list[dict]) -> list[dict]:
         raise DatasetError(f"dataset {name}: {source} lists no images")
     clipped = 0
     for record in records:
-        if not os.path.isfile(record["file_name"]):
+        if not os.path.lexists(record["file_name"]):
             raise DatasetError(
                 f"dataset {name}: image {record['file_name']} is missing ({len(records)} images listed in {source})"
             )
+        try:  # the gate, from a stat (nothing opened): a FIFO or a link to a device would hang a worker
+            check_file(record["file_name"], "image")
+        except UnsafeFileError as e:
+            raise DatasetError(f"dataset {name}: {e}") from None
         width, height = record["width"], record["height"]
         for ann in record.get("annotations", []):
             x0, y0, x1, y1 = BoxMode.convert(list(ann["bbox"]), ann["bbox_mode"], BoxMode.XYXY_ABS)
@@ -250,7 +254,7 @@ class VocSplit:
         for image_id in ids:  # ids join Annotations/ and JPEGImages/: none may lead outside them
             inside(base / "Annotations", f"{image_id}.xml", f"dataset {name}: {listing}: image id {image_id!r}")
         for image_id in ids:  # a missing one named before any is parsed
-            if not (base / "Annotations" / f"{image_id}.xml").is_file():
+            if not os.path.lexists(base / "Annotations" / f"{image_id}.xml"):
                 raise DatasetError(
                     f"dataset {name}: annotation {base / 'Annotations' / image_id}.xml "
                     f"is missing (listed in ImageSets/Main/{self.split}.txt)"
