@@ -209,8 +209,8 @@ def resume_candidates(cfg) -> list[Path]:
         return []
     if choice == "auto":
         out = Path(cfg.train.output_dir)
-        return [p for p in (out / LAST_NAME, out / PREV_NAME) if p.is_file()]
-    if not Path(choice).is_file():
+        return [p for p in (out / LAST_NAME, out / PREV_NAME) if os.path.lexists(p)]
+    if not os.path.lexists(choice):
         raise ResumeError(
             f"train.resume={choice!r}: no such checkpoint; give the path of a checkpoint_last.pth, or auto/none"
         )

@@ -156,7 +156,7 @@ def _torch_mutants(valid: Callable[[], dict], weights: bool) -> list[tuple[str, 
     out = [
         ("truncated", _bytes(lambda: torch_bytes(valid())[:200])),
         ("zip_bomb", _bytes(lambda: zip_bomb(torch_bytes(valid())))),
-        ("stride0_8GiB", _bytes(with_tensor(torch.zeros(1).expand(1 << 31)))),
+        ("stride0_16GiB", _bytes(with_tensor(torch.zeros(1, dtype=torch.float64).expand(1 << 31)))),
         ("top_level_list", _bytes(lambda: torch_bytes([1, 2, 3]))),
         ("payload", lambda path: path.write_bytes(pickle.dumps({"x": Payload(path.parent / "MARKER")}))),
     ]
