@@ -8,6 +8,7 @@ memory cap (RLIMIT_DATA, see MEMORY_CAP) and a time cap. Each must end with:
 - a non-zero exit, and exactly one ``error: ...`` line on stderr, its last, naming the file (or
   the file a link leads to), no traceback (progress a command logged before it met the file may
   precede it);
+- no allocation failure against the cap (the file is refused from its sizes before that);
 - no file written outside the case's output folder (the inputs, the data and $HOME unchanged),
   and no code run (the payload's marker file absent).
 
@@ -336,6 +337,8 @@ def run_case(entry: EntryPoint, mutant: str, root: Path, data: Path, weights: Pa
     errors = [line for line in lines if line.startswith("error")]
     assert len(errors) == 1 and lines[-1] == errors[0] and errors[0].startswith("error: "), where
     assert target.name in errors[0] or os.path.realpath(target) in errors[0], where
+    # refused from sizes, not stopped by the memory cap (an allocation failure means it got through)
+    assert "MemoryError" not in errors[0] and "allocat" not in errors[0], where
     after = _snapshot(root, data, skip=case.out)
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     assert not changed, f"{where}: files outside {case.out} changed: {changed[:5]}"
