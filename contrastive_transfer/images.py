@@ -13,6 +13,8 @@ import os
 
 from PIL import Image
 
+from contrastive_transfer.untrusted import UnsafeFileError, open_untrusted, read_untrusted
+
 # 2^28 ≈ 268 M pixels: a 16k × 16k image; any real photo dataset is far below.
 MAX_IMAGE_PIXELS = 1 << 28
 Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
@@ -22,14 +24,28 @@ DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.Decompression
 
 
 def open_rgb(path: str | os.PathLike) -> Image.Image:
-    """The decoded RGB image; OSError ``cannot read image PATH: reason`` (one line) otherwise."""
+    """The decoded RGB image; OSError ``cannot read image PATH: reason`` (one line) otherwise.
+    The file goes through the gate (a regular file within the image cap: a FIFO in a class folder
+    is refused, not waited on), and the pixel count is read from the header before decoding."""
     try:
-        with Image.open(path) as im:
-            if im.width * im.height > MAX_IMAGE_PIXELS:
-                raise Image.DecompressionBombError(
-                    f"its header claims {im.width}x{im.height} pixels, above the limit of {MAX_IMAGE_PIXELS}"
-                )
+        with open_untrusted(path, "image") as f, Image.open(f) as im:
+            check_pixels(im.width, im.height)
             return im.convert("RGB")  # convert() decodes
     except DECODE_ERRORS as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
+        reason = e.reason if isinstance(e, UnsafeFileError) else " ".join(str(e).split()) or type(e).__name__
         raise OSError(f"cannot read image {path}: {reason}") from None
+
+
+def check_pixels(width: int, height: int) -> None:
+    """The one pixel limit, for any decoder, from the image's header (Pillow's size, simplejpeg's
+    ``decode_jpeg_header``): Image.DecompressionBombError (one of DECODE_ERRORS) above it."""
+    if width * height > MAX_IMAGE_PIXELS:
+        raise Image.DecompressionBombError(
+            f"its header claims {width}x{height} pixels, above the limit of {MAX_IMAGE_PIXELS}"
+        )
+
+
+def read_image_bytes(path: str | os.PathLike) -> bytes:
+    """An image file's bytes through the gate (for decoders that take bytes, such as simplejpeg):
+    UnsafeFileError (a ValueError, one of DECODE_ERRORS) for a special file or one above the cap."""
+    return read_untrusted(path, "image")

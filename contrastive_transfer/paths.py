@@ -14,8 +14,9 @@ import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.untrusted import read_untrusted
 
-__all__ = ["PathEscapeError", "escapes", "inside", "check_run_name", "scan_image_folder", "read_text", "shown"]
+__all__ = ["PathEscapeError", "escapes", "inside", "check_run_name", "scan_image_folder", "read_text", "printable"]
 
 
 class PathEscapeError(UserError, ValueError):
@@ -97,21 +98,24 @@ def scan_image_folder(directory: str | os.PathLike, class_to_idx: dict[str, int]
     return instances
 
 
-def shown(path: str | os.PathLike) -> str:
-    """``path`` as UTF-8 text for a log or a list file: bytes of a name that is not UTF-8 (which
-    Python holds as lone surrogates, unwritable as UTF-8) written as ``\\xff`` escapes."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
-
-
 class NotTextError(UserError, ValueError):
     """A list or log file that is not UTF-8 text."""
 
 
-def read_text(path: str | os.PathLike, what: str = "file") -> str:
-    """The file as UTF-8 text; NotTextError (one line, naming the file and the byte) otherwise."""
+def read_text(path: str | os.PathLike, what: str = "file", kind: str = "list") -> str:
+    """The file as UTF-8 text, read through the gate (``untrusted``: a regular file within the cap
+    of ``kind``); NotTextError (one line, naming the file and the byte) for text that is not UTF-8."""
     try:
-        return Path(path).read_bytes().decode("utf-8")
+        return read_untrusted(path, kind).decode("utf-8")
     except UnicodeDecodeError as e:
         raise NotTextError(
             f"{path}: the {what} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
         ) from None
+
+
+def printable(path: str | os.PathLike) -> str:
+    """A path as one line of UTF-8 text whatever its bytes: a file name that is not UTF-8 (Python
+    holds its bytes as surrogates) shows them as \\xNN, and control characters are escaped, so a
+    listing written or printed from it can neither fail to encode nor be split by a name."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

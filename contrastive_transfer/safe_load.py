@@ -13,6 +13,12 @@ Every file is untrusted (docs/security.md). The anchors of trust are not ours:
   (``transfer.detection.trainer``) use this same function.
 - ``.safetensors`` files hold tensors and string metadata only (read by ``converters.checkpoint_io``).
 
+Both read the file through the gate of ``contrastive_transfer.untrusted`` (regular files within a
+size cap per kind; a torch zip's records checked against their declared sizes before inflating;
+every loaded tensor's view checked against its storage), and ``load_weights_file`` is the one
+reader of a weights file in any format the project accepts (torch, ``.safetensors``, detectron2
+``.pkl``), used by the converters, the evaluators and detection alike.
+
 A user who trusts a legacy file converts it once with ``python -m converters.legacy_to_safe``
 (the only place in the project that unpickles without restriction, behind an explicit flag).
 """
@@ -26,13 +32,18 @@ import pickletools
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
-from contrastive_transfer.cli import UserError
+from contrastive_transfer.untrusted import (
+    UnsafeFileError,
+    check_archive,
+    check_loaded_tensors,
+    open_untrusted,
+    read_untrusted,
+)
 
 __all__ = [
     "UnsafeFileError",
@@ -40,16 +51,13 @@ __all__ = [
     "NUMPY_RNG_GLOBALS",
     "torch_load",
     "load_pickle",
+    "load_weights_file",
     "pickle_globals",
     "unsafe_globals",
     "refusal",
 ]
 
 LEGACY_COMMAND = "python -m converters.legacy_to_safe"
-
-
-class UnsafeFileError(UserError, ValueError):
-    """A file that holds objects beyond data: loading it could run code, so it is refused unread."""
 
 
 def refusal(path: str | os.PathLike, globals_: Iterable[str]) -> str:
@@ -115,15 +123,22 @@ def _note(name: str, arg: Any, strings: list[str | None], memo: dict[int, Any], 
     del strings[:-2]  # only the last two pushes ever matter
 
 
-def unsafe_globals(path: str | os.PathLike, allowed: Iterable[str] = ()) -> list[str]:
-    """The globals of ``path`` that torch's weights-only loader does not allow (static: nothing runs)."""
+def unsafe_globals(source: str | os.PathLike | IO[bytes], allowed: Iterable[str] = ()) -> list[str]:
+    """The globals of ``source`` (a path, or a file opened by the gate) that torch's weights-only
+    loader does not allow (static: nothing runs)."""
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        if not isinstance(source, (str, os.PathLike)):
+            source.seek(0)
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
     except Exception:  # not a torch zip archive: a plain or legacy-format pickle
         pass
     try:
-        data = Path(path).read_bytes()
-    except OSError:
+        if isinstance(source, (str, os.PathLike)):
+            data = read_untrusted(source, "training state")
+        else:
+            source.seek(0)
+            data = source.read()  # bounded: the gate checked the size of this descriptor
+    except (OSError, UnsafeFileError):
         return []
     allowed_set = set(allowed) | _torch_data_globals()
     return [g for g in pickle_globals(data) if g not in allowed_set]
@@ -169,20 +184,25 @@ def _numeric() -> Any:
 NUMPY_RNG_GLOBALS: list[Any] = _numpy_rng_globals()
 
 
-def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = ()) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, allowing only ``extra_globals`` beyond
-    torch's data types. UnsafeFileError (one line, naming the file and what it needs) for a file
-    that needs more; other exceptions (not a checkpoint, truncated) propagate for the caller to
-    phrase."""
+def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = (), kind: str = "weights") -> Any:
+    """``torch.load(weights_only=True)`` on the CPU of ``path`` read through the gate as ``kind``
+    (``contrastive_transfer.untrusted.KINDS``), allowing only ``extra_globals`` beyond torch's data
+    types. UnsafeFileError (one line, naming the file and why) for a special file, a file above the
+    cap, a crafted archive or tensor view, or a file that needs more globals; other exceptions (not
+    a checkpoint, truncated) propagate for the caller to phrase."""
     extra = list(extra_globals)
-    try:
-        with torch.serialization.safe_globals(extra):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights_only" not in str(e) and "Weights only" not in str(e):
-            raise
-        allowed = {f"{g.__module__}.{g.__qualname__}" for g in extra if hasattr(g, "__qualname__")}
-        raise UnsafeFileError(refusal(path, unsafe_globals(path, allowed))) from None
+    with open_untrusted(path, kind) as f:
+        check_archive(f, path, kind)
+        try:
+            with torch.serialization.safe_globals(extra):
+                obj = torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            if "weights_only" not in str(e) and "Weights only" not in str(e):
+                raise
+            allowed = {f"{g.__module__}.{g.__qualname__}" for g in extra if hasattr(g, "__qualname__")}
+            raise UnsafeFileError(refusal(path, unsafe_globals(f, allowed))) from None
+    check_loaded_tensors(obj, path, kind)
+    return obj
 
 
 # ---------------------------------------------------------------------------------- pickle files
@@ -234,11 +254,12 @@ class _DataUnpickler(pickle.Unpickler):
 
 
 def load_pickle(path: str | os.PathLike) -> Any:
-    """A detectron2 ``.pkl`` (numpy arrays in dicts) read through the restricted unpickler.
+    """A detectron2 ``.pkl`` (numpy arrays in dicts) read through the gate and the restricted
+    unpickler.
 
     UnsafeFileError names every global the file refers to beyond numpy arrays and containers (by a
     static scan); pickle.UnpicklingError and others propagate for a file that is not a pickle."""
-    data = Path(path).read_bytes()
+    data = read_untrusted(path, "weights")
     if zipfile.is_zipfile(io.BytesIO(data)):
         raise pickle.UnpicklingError("a zip archive (a file written by torch.save: rename it to .pth)")
     try:
@@ -247,3 +268,37 @@ def load_pickle(path: str | os.PathLike) -> Any:
         allowed = {f"{m}.{n}" for m, n in _PICKLE_ALLOWED}
         names = [g for g in pickle_globals(data) if g not in allowed] or [e.name]
         raise UnsafeFileError(refusal(path, names)) from None
+
+
+# -------------------------------------------------------------------------- one reader per format
+
+
+def _load_safetensors(path: str | os.PathLike) -> dict:
+    """``{"state_dict": tensors, "metadata": string metadata}`` (the format holds tensors and strings
+    only). safetensors opens a path: the descriptor the gate checked is handed over by its
+    /proc/self/fd name, so the file read is the file checked."""
+    from safetensors import safe_open
+
+    with open_untrusted(path, "weights") as f:
+        fd_path = f"/proc/self/fd/{f.fileno()}"
+        with safe_open(fd_path if os.path.exists(fd_path) else os.fspath(path), framework="pt", device="cpu") as st:
+            metadata = dict(st.metadata() or {})
+            tensors = {name: st.get_tensor(name) for name in st.keys()}
+    check_loaded_tensors(tensors, path, "weights")
+    return {"state_dict": tensors, "metadata": metadata}
+
+
+def load_weights_file(path: str | os.PathLike) -> Any:
+    """A weights file in any format the project reads, by one rule at every entry point:
+    ``.safetensors`` by its suffix; a torch zip archive by its content, whatever its name;
+    ``.pkl`` otherwise a detectron2 pickle (numpy arrays, ``load_pickle``); anything else
+    ``torch_load`` (including torch's legacy format). numpy arrays are returned as they are."""
+    name = os.fspath(path)
+    if name.endswith(".safetensors"):
+        return _load_safetensors(path)
+    if name.endswith(".pkl"):
+        with open_untrusted(path, "weights") as f:
+            is_zip = zipfile.is_zipfile(f)
+        if not is_zip:
+            return load_pickle(path)
+    return torch_load(path, NUMPY_RNG_GLOBALS)

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from contrastive_transfer.cli import UserError
@@ -38,7 +38,8 @@ from contrastive_transfer.contract import (
     training_state,
     weights_sha256,
 )
-from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
+from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
+from contrastive_transfer.untrusted import tensor_problem
 from converters.layouts import ENCODERS, LAYOUTS
 
 logger = logging.getLogger(__name__)
@@ -123,8 +124,26 @@ def _from_sequential(name: str) -> str:
     return f"{_SEQUENTIAL_CHILDREN[head]}.{rest}" if head in _SEQUENTIAL_CHILDREN else name
 
 
-def _torchvision_names(sub: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """The tensors under one prefix in torchvision names, or None if they do not look like a ResNet."""
+_DETECTRON2_NAMES = (  # converters.to_detectron2's renaming, undone (regex, replacement), in this order
+    (re.compile(r"^stem\."), ""),
+    (re.compile(r"^res([2-5])\."), lambda m: f"layer{int(m.group(1)) - 1}."),
+    (re.compile(r"\bconv([1-3])\.norm\."), r"bn\1."),
+    (re.compile(r"\bshortcut\.norm\."), "downsample.1."),
+    (re.compile(r"\bshortcut\."), "downsample.0."),
+)
+
+
+def _from_detectron2(name: str) -> str:
+    for pattern, replacement in _DETECTRON2_NAMES:
+        name = pattern.sub(replacement, name)  # type: ignore[arg-type]
+    return name
+
+
+def _torchvision_names(sub: dict[str, torch.Tensor], names: str = "torchvision") -> dict[str, torch.Tensor] | None:
+    """The tensors under one prefix in torchvision names, or None if they do not look like a ResNet
+    (``names="detectron2"``: a ResNet in detectron2's names, those converters.to_detectron2 writes)."""
+    if names == "detectron2":
+        return {_from_detectron2(k): v for k, v in sub.items()} if "stem.conv1.weight" in sub else None
     if "conv1.weight" in sub:
         return sub
     if "0.weight" in sub and any(k.startswith("4.0.") for k in sub):
@@ -136,7 +155,7 @@ def _is_backbone_tensor(name: str) -> bool:
     return bool(_BACKBONE_KEY.match(name) or _BACKBONE_KEY.match(_from_sequential(name)))
 
 
-def _find(ckpt, sources) -> tuple[dict[str, torch.Tensor], list[str], str, str] | None:
+def _find(ckpt, sources, names: str = "torchvision") -> tuple[dict[str, torch.Tensor], list[str], str, str] | None:
     """The first (container, prefix) holding a ResNet: (its tensors in torchvision names, the
     container's other tensors, container, prefix)."""
     for path, prefix in sources:
@@ -144,7 +163,7 @@ def _find(ckpt, sources) -> tuple[dict[str, torch.Tensor], list[str], str, str] 
         if tensors is None:
             continue
         sub = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        named = _torchvision_names(sub)
+        named = _torchvision_names(sub, names)
         if named is not None:
             others = [k for k in tensors if not k.startswith(prefix)]
             return named, others, path, prefix
@@ -152,34 +171,40 @@ def _find(ckpt, sources) -> tuple[dict[str, torch.Tensor], list[str], str, str] 
 
 
 def _load_file(path: Path):
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{path}: no such file")
-    if path.suffix == ".safetensors":
-        return _load_safetensors(path)
     try:
-        # weights_only, never a fallback: a downloaded checkpoint must not run code. The numpy RNG
-        # globals let training states written before RNG states were stored as lists load too.
-        return torch_load(path, NUMPY_RNG_GLOBALS)
+        # one reader per format (safe_load.load_weights_file): weights_only torch files (the numpy
+        # RNG globals let training states of the earlier format load), .safetensors, detectron2 .pkl
+        ckpt = load_weights_file(path)
     except UnsafeFileError as e:
         raise CheckpointError(str(e)) from None
-    except Exception as e:  # torch.load raises many types for a file that is not a checkpoint
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(e)})") from e
+    except Exception as e:  # torch.load / safetensors / pickle raise many types for a file that is not one
+        what = "safetensors file" if path.suffix == ".safetensors" else "torch checkpoint or detectron2 .pkl"
+        raise CheckpointError(f"{path}: not a readable {what} ({_first_line(e)})") from None
+    return _numpy_to_torch(ckpt, str(path))
 
 
 SAFETENSORS_FORMAT = "contrastive-transfer/torchvision-safetensors/v1"
 MAX_IMAGE_SIZE = 4096  # a pretraining crop read from a file (--crop auto) is bounded by this
 
 
-def _load_safetensors(path: Path) -> dict:
-    """A .safetensors file as {"state_dict": tensors, "metadata": its string metadata} (the format
-    holds tensors and strings only: reading it runs nothing)."""
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as e:  # SafetensorError, a header that is not json, a truncated body
-        raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(e)})") from None
-    return {"state_dict": tensors, "metadata": metadata}
+def _numpy_to_torch(ckpt, source: str):
+    """A detectron2 .pkl's numpy arrays as tensors, so that one validation
+    (``untrusted.tensor_problem``) judges every format; other dtypes stay arrays and are refused by it."""
+    if not isinstance(ckpt, Mapping):
+        return ckpt
+    model = ckpt.get("model", ckpt.get("blobs"))
+    if not isinstance(model, Mapping):
+        return ckpt
+    converted = {}
+    for k, v in model.items():
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind not in "fiubc":
+                raise CheckpointError(f"{source}: {k} has dtype {v.dtype}, expected real floating point weights")
+            v = torch.from_numpy(np.array(v))  # a writable copy: pickled arrays are read-only
+        converted[k] = v
+    return {**ckpt, "model": converted}
 
 
 def _safetensors_record(ckpt, source: str) -> dict | None:
@@ -215,6 +240,13 @@ def _describe(ckpt) -> str:
             if k.endswith("conv1.weight")
         }
     )[:4]
+    caffe2 = any(k in (_container(ckpt, "model") or {}) for k in ("conv1_w", "res_conv1_bn_s"))
+    if caffe2:  # the MSRA / Detectron1 ImageNet models of detectron2's model zoo (R-50.pkl)
+        return (
+            "Caffe2 names (conv1_w, res2_0_branch2a_w, ...): a ResNet for BGR input with the stride in its 1x1 "
+            "convs, which the torchvision ResNet of the converters and evaluators does not compute; use it with "
+            "transfer.detection"
+        )
     return f"top-level keys {top}" + (f", conv1 weights at {hints}" if hints else "")
 
 
@@ -260,11 +292,11 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
         if k not in sd and k.endswith("num_batches_tracked"):
             out[k] = torch.tensor(0)  # older/VISSL-converted files omit it; it has no effect in eval
         elif k in sd:
-            _check_tensor(sd[k], k, source)
-            if tuple(sd[k].shape) != shape:
+            if tuple(sd[k].shape) != shape:  # first: the shape bounds what reading the values costs
                 raise CheckpointError(
                     f"{source}: {k} has shape {tuple(sd[k].shape)}, expected {shape} for {arch} ({stem} stem)"
                 )
+            _check_tensor(sd[k], k, source)
             v = sd[k].detach().cpu()
             out[k] = v.float() if v.is_floating_point() else v
     missing = [k for k in expected if k not in out]
@@ -282,21 +314,13 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
 
 
 def _check_tensor(v: torch.Tensor, name: str, source: str) -> None:
-    """Dense, on a real device, floating point (counters excepted) and finite: anything else would
-    fail later with a traceback, or worse, evaluate to chance without a word."""
-    if v.layout != torch.strided or v.is_meta:
-        kind = "a meta" if v.is_meta else f"a {str(v.layout).replace('torch.', '')}"
-        raise CheckpointError(f"{source}: {name} is {kind} tensor, expected a dense tensor with values")
-    if name.endswith("num_batches_tracked"):
-        return
-    if not v.is_floating_point():
-        raise CheckpointError(f"{source}: {name} has dtype {v.dtype}, expected floating point weights")
-    bad = int((~torch.isfinite(v)).sum())
-    if bad:
-        raise CheckpointError(
-            f"{source}: {name} holds {bad} non-finite values (NaN or inf) of {v.numel()}: these weights are "
-            "broken (a diverged run?); use an earlier checkpoint"
-        )
+    """Dense, real floating point (counters excepted), a view within its storage, then finite:
+    anything else would fail later with a traceback, or worse, evaluate to chance without a word.
+    Its shape already matched the architecture, so a stride-0 view (one stored value repeated)
+    costs no more to read than the model holds: it is accepted here."""
+    problem = tensor_problem(v, integer_ok=name.endswith("num_batches_tracked"), repeated_ok=True)
+    if problem is not None:
+        raise CheckpointError(f"{source}: {name} {problem}")
 
 
 def _detect_stem(sd: dict[str, torch.Tensor], source: str) -> str:
@@ -340,7 +364,7 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
 def _read_backbone(ckpt, record: dict | None, source: str, encoder: str, layout: str) -> Backbone:
     candidates = list(LAYOUTS.values()) if layout == "auto" else [LAYOUTS[layout]]
 
-    found = next((candidate for candidate in candidates if _find(ckpt, candidate.query) is not None), None)
+    found = next((c for c in candidates if _find(ckpt, c.query, c.names) is not None), None)
     if found is None:
         which = (
             "no ResNet backbone found"
@@ -354,11 +378,11 @@ def _read_backbone(ckpt, record: dict | None, source: str, encoder: str, layout:
             )
         raise CheckpointError(f"{source}: {which}; {_describe(ckpt)}")
 
-    hit = _find(ckpt, found.query if encoder == "query" else found.key)
+    hit = _find(ckpt, found.query if encoder == "query" else found.key, found.names)
     if hit is None:
         raise CheckpointError(f"{source}: no momentum encoder in this {found.name!r} checkpoint (use --encoder query)")
     tensors, others, container, _ = hit
-    other = _find(ckpt, found.key if encoder == "query" else found.query)
+    other = _find(ckpt, found.key if encoder == "query" else found.query, found.names)
     other_prefix = other[3] if other is not None and other[2] == container else None
     backbone_tensors = {k: v for k, v in tensors.items() if _BACKBONE_KEY.match(k)}
     if "conv1.weight" not in backbone_tensors:

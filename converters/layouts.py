@@ -19,6 +19,7 @@ class Layout:
     description: str
     query: tuple[tuple[str, str], ...]  # (container, key prefix) of the query/online encoder, tried in order
     key: tuple[tuple[str, str], ...] = ()  # the same for the momentum (key / teacher) encoder
+    names: str = "torchvision"  # the tensor names under the prefix: "torchvision" | "detectron2"
 
 
 def _sources(containers: tuple[str, ...], prefixes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -48,6 +49,13 @@ LAYOUTS: dict[str, Layout] = {
                 ("classy_state_dict.base_model.model.trunk", "classy_state_dict.base_model.model", "model", ""),
                 ("_feature_blocks.", "trunk._feature_blocks."),
             ),
+        ),
+        Layout(
+            "detectron2",
+            "detectron2 weights (.pkl) in detectron2's ResNet names (stem.conv1, res2..res5): what "
+            "converters.to_detectron2 writes, and detectron2 models (backbone.bottom_up.)",
+            query=_sources(("model", ""), ("", "backbone.bottom_up.", "backbone.")),
+            names="detectron2",
         ),
         Layout(
             "backbone",

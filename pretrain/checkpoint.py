@@ -188,7 +188,7 @@ def read_training_state(path: Path) -> dict:
     try:
         # weights_only: a checkpoint from elsewhere (train.resume=FILE, a downloaded run folder)
         # must not run code; files written before the RNG key was a list need numpy's array globals.
-        state = torch_load(path, NUMPY_RNG_GLOBALS)
+        state = torch_load(path, NUMPY_RNG_GLOBALS, kind="training state")
     except UnsafeFileError as e:
         raise ResumeError(str(e)) from None
     except Exception as e:
@@ -237,8 +237,8 @@ def resume_candidates(cfg) -> list[Path]:
         return []
     if choice == "auto":
         out = Path(cfg.train.output_dir)
-        return [p for p in (out / LAST_NAME, out / PREV_NAME) if p.is_file()]
-    if not Path(choice).is_file():
+        return [p for p in (out / LAST_NAME, out / PREV_NAME) if os.path.lexists(p)]
+    if not os.path.lexists(choice):
         raise ResumeError(
             f"train.resume={choice!r}: no such checkpoint; give the path of a checkpoint_last.pth, or auto/none"
         )

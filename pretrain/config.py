@@ -26,6 +26,7 @@ from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import ARCHS, KNN_K, KNN_TEMPERATURE, STEMS
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import check_run_name, escapes
+from contrastive_transfer.untrusted import read_untrusted
 from contrastive_transfer.yaml_limits import base_names, check_chain, compose_text
 from contrastive_transfer.yaml_limits import decode as decode_yaml
 from pretrain.augment.views import ViewError, resolve, with_min_crop_scale
@@ -191,11 +192,10 @@ def _read_yaml(path: Path, chain: tuple[str, ...] = (), files_read: list[int] | 
     files_read = [0] if files_read is None else files_read
     if chain:
         check_chain(chain, str(path), files_read[0], "_base_")
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file {path} does not exist" + (f" (a _base_ of {chain[-1]})" if chain else ""))
     files_read[0] += 1
-    # TODO(file gate): read through the base package's gate (regular file, size cap) once it lands.
-    text = decode_yaml(path.read_bytes(), str(path))
+    text = decode_yaml(read_untrusted(path, "config"), str(path))  # the gate: a regular file, within its cap
     node = compose_text(text, str(path))  # aliases bounded, a mapping at the top, before OmegaConf builds it
     bases = base_names(node, "_base_", str(path))
     try:

@@ -31,8 +31,8 @@ from torchvision.transforms import v2
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 from contrastive_transfer.file_index import FileIndex
-from contrastive_transfer.images import DECODE_ERRORS, open_rgb
-from contrastive_transfer.paths import scan_image_folder, shown
+from contrastive_transfer.images import DECODE_ERRORS, open_rgb, read_image_bytes
+from contrastive_transfer.paths import printable, scan_image_folder
 from pretrain import dist
 from pretrain.augment import ViewTransform
 
@@ -197,8 +197,7 @@ class ImageDataset(Dataset):
         if self.backend == "device":  # the bytes and the size from the header; Pillow if no JPEG
             from pretrain.augment.on_device import jpeg_size
 
-            with open(path, "rb") as f:
-                data = f.read()
+            data = read_image_bytes(path)
             size = jpeg_size(data)
             if size is not None:
                 return torch.frombuffer(bytearray(data), dtype=torch.uint8), size
@@ -207,8 +206,7 @@ class ImageDataset(Dataset):
         if self.fast is not None:
             from pretrain.augment.fast import decode_rgb
 
-            with open(path, "rb") as f:
-                image = decode_rgb(f.read())
+            image = decode_rgb(read_image_bytes(path))
             if image is not None:
                 return image
         rgb = open_rgb(path)
@@ -299,10 +297,9 @@ class ImageDataset(Dataset):
         for index in indices:
             path, label = self.samples[int(index) % len(self.samples)]
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = read_image_bytes(path)  # the gate: a FIFO or device here is refused, not read
                 size = jpeg_size(data)
-            except OSError:
+            except _DECODE_ERRORS:
                 size = None
             bad: list[str] = []
             if size is None:  # decoded now, by _load's paths (Pillow, the next file for a bad one)
@@ -543,7 +540,7 @@ class BadImageTracker:
         if self.exceeded:
             raise UnreadableImagesError(
                 f"{self.summary()}, above data.max_bad_fraction {self.max_fraction:.4%}: "
-                f"{', '.join(map(shown, self.bad[:5]))}{' ...' if len(self.bad) > 5 else ''}; "
+                f"{', '.join(map(printable, self.bad[:5]))}{' ...' if len(self.bad) > 5 else ''}; "
                 "fix or remove them, or raise data.max_bad_fraction to skip them"
             )
 

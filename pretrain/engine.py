@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove_stale_temporaries
 from contrastive_transfer.contract import FINAL_NAME, LAST_NAME
-from contrastive_transfer.paths import shown
+from contrastive_transfer.paths import printable
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptSignals, ignore_in_worker
 from contrastive_transfer.progress import Laps, progress
 from pretrain import dist
@@ -519,8 +519,8 @@ def knn_monitor(run: Run, step: int, bar) -> None:
 def finish(run: Run, step: int) -> Path:
     """Export ``checkpoint_final.pth`` and list the unreadable images that were skipped."""
     final = run.out / FINAL_NAME
-    # names escaped: one that is not UTF-8 must not cost the run its listing (or, before, its checkpoint)
-    skipped = sorted({shown(path) for paths in dist.gather_objects(run.bad_images.bad) for path in paths})
+    # printable: a file name that is not UTF-8 is written escaped, never failing the run at its end
+    skipped = sorted({printable(path) for paths in dist.gather_objects(run.bad_images.bad) for path in paths})
     if run.accelerator.is_main_process:
         export_final(final, run.method, run.cfg, step)
         if run.metrics:

@@ -793,13 +793,13 @@ def test_an_analysis_checkpoint_asking_for_a_huge_head_is_one_line(tmp_path):
 
 
 def test_a_file_name_that_is_not_utf8_is_written_escaped(tmp_path):
-    from contrastive_transfer.paths import shown
+    from contrastive_transfer.paths import printable
     from pretrain.data import BadImageTracker, UnreadableImagesError
 
     name = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9.jpg")  # Latin-1 bytes, not UTF-8
     with pytest.raises(UnicodeEncodeError):  # control: the name as Python holds it cannot be written as UTF-8
         (tmp_path / "list.txt").write_text(name + "\n")
-    (tmp_path / "list.txt").write_text(shown(name) + "\n")
+    (tmp_path / "list.txt").write_text(printable(name) + "\n")
     assert (tmp_path / "list.txt").read_bytes().endswith(b"caf\\xe9.jpg\n")
     assert os.fsencode(name).endswith(b"caf\xe9.jpg")  # the escape names the very bytes
     tracker = BadImageTracker(0.0)

@@ -489,7 +489,7 @@ def test_detection_weights_with_nan_are_refused(detection, tmp_path):
     config, *_ = detection
     path = tmp_path / "nan.pkl"
     path.write_bytes(pickle.dumps({"model": {"w": np.full(3, np.nan, np.float32)}, "__author__": "x"}))
-    with pytest.raises(ConfigError, match="w holds non-finite values"):
+    with pytest.raises(ConfigError, match="w holds 3 non-finite values"):
         config.read_weights(str(path))
 
 

@@ -132,7 +132,7 @@ _PROBE_STATE_KEYS = ("identity", "head", "optimizer", "history", "epoch")
 def _read_probe_state(path: Path) -> dict:
     """The probe state to resume (weights_only: a state file may come from a shared folder)."""
     try:
-        state = torch_load(path)
+        state = torch_load(path, kind="probe state")
     except UnsafeFileError:
         raise
     except Exception as e:  # torch raises many kinds for a truncated or foreign file

@@ -82,10 +82,10 @@ def pyplot():
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise AnalysisError(f"checkpoint {path} does not exist")
     try:  # weights_only: checkpoints given to the analyses may come from anywhere
-        state = torch_load(path, NUMPY_RNG_GLOBALS)
+        state = torch_load(path, NUMPY_RNG_GLOBALS, kind="training state")
     except UnsafeFileError as e:
         raise AnalysisError(str(e)) from None
     except Exception as e:  # torch raises many kinds for a bad file

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from contrastive_transfer.paths import read_text
@@ -51,16 +52,18 @@ PANELS = (
 
 def read_metrics(path: Path) -> list[dict]:
     """Rows of a metrics.jsonl merged by step (later lines win), sorted by step."""
-    if not path.is_file():
+    if not os.path.lexists(path):  # a FIFO or device is the gate's to name (read_text)
         raise AnalysisError(f"{path} does not exist (expected the metrics.jsonl of a `python -m pretrain` run)")
     by_step: dict[int, dict] = {}
-    for number, line in enumerate(read_text(path, "metrics log").splitlines(), 1):
+    for number, line in enumerate(read_text(path, "metrics log", kind="log").splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise AnalysisError(f"{path} line {number}: not JSON ({e.msg}): {line[:80]!r}") from None
+        except RecursionError:  # json's parser recurses per nesting level
+            raise AnalysisError(f"{path} line {number}: nested too deeply, expected a flat object of metrics") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise AnalysisError(f"{path} line {number}: expected an object with an integer 'step', got {line[:80]!r}")
         by_step.setdefault(row["step"], {}).update(row)

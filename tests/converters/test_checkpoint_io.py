@@ -251,4 +251,4 @@ def test_bad_options_and_forced_layouts(layout_files):
         load_backbone(path, encoder="teacher")
     with pytest.raises(CheckpointError, match=r"moco-official\.pth: not in the 'vissl' layout \(VISSL checkpoints"):
         load_backbone(path, layout="vissl")
-    assert set(LAYOUTS) == {"project", "moco", "vissl", "backbone", "torchvision"}
+    assert set(LAYOUTS) == {"project", "moco", "vissl", "detectron2", "backbone", "torchvision"}

@@ -326,3 +326,33 @@ def test_command_line(layout_files, tmp_path, monkeypatch, capsys):
         assert field in stdout
     with open(out, "rb") as f:
         assert len(pickle.load(f)["model"]) == 120
+
+
+# ------------------------------------------------------------------ one reader per format (issue 38)
+
+
+def test_the_pkl_it_writes_is_read_back_by_the_reader_every_evaluator_uses(make_resnet, tmp_path):
+    """The converter's own .pkl (numpy arrays, refused by the evaluators before issue 38 as needing
+    numpy._core.numeric._frombuffer) reads back to the very tensors it was made from, and so does a
+    detectron2 model holding them under backbone.bottom_up. (FPN); torchvision is the judge."""
+    net = make_resnet("resnet18", 3)
+    src = tmp_path / "r18.pth"
+    torch.save(net.state_dict(), src)
+    convert(src, tmp_path / "r18.pkl")
+    back = load_backbone(tmp_path / "r18.pkl")
+    expected = {k: v for k, v in net.state_dict().items() if not k.startswith("fc.")}
+    assert back.layout == "detectron2" and back.arch == "resnet18"
+    assert set(back.state_dict) == set(expected)
+    assert all(torch.equal(back.state_dict[k], expected[k]) for k in expected)
+    model = pickle.loads((tmp_path / "r18.pkl").read_bytes())["model"]  # noqa: S301 - our own file
+    fpn = {"model": {f"backbone.bottom_up.{k}": v for k, v in model.items()}, "__author__": "x"}
+    (tmp_path / "fpn.pkl").write_bytes(pickle.dumps(fpn, protocol=2))
+    assert load_backbone(tmp_path / "fpn.pkl").weights_sha256 == back.weights_sha256
+
+
+def test_a_caffe2_pkl_is_named_as_such(tmp_path):
+    data = {"model": {"conv1_w": np.zeros((64, 3, 7, 7), np.float32), "res_conv1_bn_s": np.ones(64, np.float32)}}
+    (tmp_path / "R-50.pkl").write_bytes(pickle.dumps(data, protocol=2))
+    with pytest.raises(CheckpointError, match=r"R-50\.pkl: no ResNet backbone found; Caffe2 names") as e:
+        load_backbone(tmp_path / "R-50.pkl")
+    assert "\n" not in str(e.value)

@@ -102,7 +102,7 @@ def test_one_process_reads_the_resume_checkpoint_once(tmp_path, monkeypatch):
 
     torch.save({"method": {}, "optimizer": {}, "step": 7}, tmp_path / LAST_NAME)
     reads, real_load = [], checkpoint.torch_load
-    monkeypatch.setattr(checkpoint, "torch_load", lambda path, *a: reads.append(path) or real_load(path, *a))
+    monkeypatch.setattr(checkpoint, "torch_load", lambda path, *a, **k: reads.append(path) or real_load(path, *a, **k))
     monkeypatch.setattr(engine, "load_training_state", lambda *a: a[-1]["step"])  # the state it was given
     cfg = OmegaConf.create({"train": {"resume": "auto", "output_dir": str(tmp_path)}})
     assert engine.resume(cfg, mock.Mock(is_main_process=True), None, None, 10) == 7

@@ -36,6 +36,7 @@ from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.network import OPT_IN, fetch, fetch_to, is_url, local_name
 from contrastive_transfer.paths import escapes
 from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
+from contrastive_transfer.untrusted import read_untrusted, tensor_problem
 from contrastive_transfer.yaml_limits import base_names, check_chain, compose_text
 from contrastive_transfer.yaml_limits import decode as decode_yaml
 from transfer.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
@@ -187,10 +188,9 @@ def _fvcore_name(parent: str, base: str) -> str:
 def _read_config_file(source: str, where: str, allow_network: bool) -> str:
     if is_url(source):
         return decode_yaml(fetch(source, where, allow_network, MAX_FETCHED_CONFIG_BYTES), source)
-    if not os.path.isfile(source):
+    if not os.path.exists(source):
         raise ConfigError(f"{where} {source}: no such file")
-    # TODO(file gate): read through the base package's gate (regular file, size cap) once it lands.
-    return decode_yaml(Path(source).read_bytes(), source)
+    return decode_yaml(read_untrusted(source, "config"), source)  # the gate: a regular file, within its cap
 
 
 def _check_version(node, source: str) -> None:
@@ -321,7 +321,7 @@ def read_weights(path: str) -> dict:
     """Read ``MODEL.WEIGHTS`` as detectron2 will (``.pkl``: pickle with ``model`` and
     ``__author__``; other extensions: ``torch.load``) and fail with a one-line reason where
     detectron2 would fail later or silently load nothing. Returns the name -> array dict."""
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ConfigError(f"MODEL.WEIGHTS {path}: no such file")
     hint = "expected a .pkl written by `python -m converters.to_detectron2` or a detectron2 .pth checkpoint"
     if path.endswith(".pkl"):
@@ -362,10 +362,11 @@ def read_weights(path: str) -> dict:
     if not isinstance(model, dict) or not any(hasattr(v, "shape") for v in model.values()):
         raise ConfigError(f"MODEL.WEIGHTS {path}: holds no tensors; {hint}")
     for name, value in model.items():  # NaN weights would train (or evaluate) to garbage without a word
-        if isinstance(value, torch.Tensor):
-            finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
-        else:
-            finite = not (isinstance(value, np.ndarray) and value.dtype.kind == "f") or bool(np.isfinite(value).all())
-        if not finite:
-            raise ConfigError(f"MODEL.WEIGHTS {path}: {name} holds non-finite values (NaN or inf); use other weights")
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            continue  # detectron2 skips what is not an array
+        # dtype, strides and storage before any element is read (the shapes are detectron2's to check
+        # later, so a stride-0 view is refused here), then finiteness: untrusted.tensor_problem
+        problem = tensor_problem(value, integer_ok=True)
+        if problem is not None:
+            raise ConfigError(f"MODEL.WEIGHTS {path}: {name} {problem}")
     return model

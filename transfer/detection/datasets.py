@@ -32,6 +32,7 @@ from contrastive_transfer import json_limits
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.images import MAX_IMAGE_PIXELS  # noqa: F401  (sets Pillow's limit in every process)
 from contrastive_transfer.paths import inside
+from contrastive_transfer.untrusted import UnsafeFileError, check_file, read_untrusted
 
 
 class DatasetError(UserError, FileNotFoundError):
@@ -57,10 +58,14 @@ def _checked(name: str, source: Path, records: list[dict]) -> list[dict]:
         raise DatasetError(f"dataset {name}: {source} lists no images")
     clipped = 0
     for record in records:
-        if not os.path.isfile(record["file_name"]):
+        if not os.path.lexists(record["file_name"]):
             raise DatasetError(
                 f"dataset {name}: image {record['file_name']} is missing ({len(records)} images listed in {source})"
             )
+        try:  # the gate, from a stat (nothing opened): a FIFO or a link to a device would hang a worker
+            check_file(record["file_name"], "image")
+        except UnsafeFileError as e:
+            raise DatasetError(f"dataset {name}: {e}") from None
         width, height = record["width"], record["height"]
         for ann in record.get("annotations", []):
             x0, y0, x1, y1 = BoxMode.convert(list(ann["bbox"]), ann["bbox_mode"], BoxMode.XYXY_ABS)
@@ -96,8 +101,9 @@ MAX_SIDE = 65535  # pixels; an image size beyond, read from an annotation, is br
 def _check_coco_json(name: str, path: Path, image_root: Path) -> None:
     """The fields detectron2 reads, present, of the right types and consistent, before it reads them."""
     try:
-        # TODO(file gate): read through the base package's gate (regular file, size cap) once it lands.
-        data = json_limits.loads(path.read_bytes(), f"dataset {name}: {path}")
+        data = json_limits.loads(read_untrusted(path, "json"), f"dataset {name}: {path}")
+    except UnsafeFileError as e:
+        raise DatasetError(f"dataset {name}: {e}") from None
     except json_limits.JsonLimitError as e:
         raise DatasetError(str(e)) from None
     if not isinstance(data, dict):
@@ -218,9 +224,12 @@ def _bad_fields(entry: dict, fields: dict) -> str:
     return ""
 
 
-def _read_text(path: Path, name: str) -> str:
+def _read_text(path: Path, name: str, kind: str) -> str:
+    """The file's text through the gate (``untrusted``: a regular file within the cap of ``kind``)."""
     try:
-        return path.read_bytes().decode("utf-8")
+        return read_untrusted(path, kind).decode("utf-8")
+    except UnsafeFileError as e:
+        raise DatasetError(f"dataset {name}: {e}") from None
     except UnicodeDecodeError as e:
         raise DatasetError(f"dataset {name}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
@@ -232,7 +241,9 @@ def _voc_record(name: str, base: Path, image_id: str) -> dict:
     path = base / "Annotations" / f"{image_id}.xml"
     where = f"dataset {name}: {path}"
     try:
-        tree = defused_etree.parse(path)
+        tree = ElementTree.ElementTree(defused_etree.fromstring(read_untrusted(path, "xml")))
+    except UnsafeFileError as e:
+        raise DatasetError(f"dataset {name}: {e}") from None
     except (DefusedXmlException, ElementTree.ParseError) as e:
         raise DatasetError(
             f"{where}: refused ({type(e).__name__}: {' '.join(str(e).split())}); VOC annotations are plain XML "
@@ -286,11 +297,11 @@ class VocSplit:
     def load(self, name: str, root: Path) -> list[dict]:
         base = root / self.folder
         listing = base / "ImageSets" / "Main" / f"{self.split}.txt"
-        ids = _read_text(listing, name).split()
+        ids = _read_text(listing, name, "list").split()
         for image_id in ids:  # ids join Annotations/ and JPEGImages/: none may lead outside them
             inside(base / "Annotations", f"{image_id}.xml", f"dataset {name}: {listing}: image id {image_id!r}")
         for image_id in ids:  # a missing one named before any is parsed
-            if not (base / "Annotations" / f"{image_id}.xml").is_file():
+            if not os.path.lexists(base / "Annotations" / f"{image_id}.xml"):
                 raise DatasetError(
                     f"dataset {name}: annotation {base / 'Annotations' / image_id}.xml "
                     f"is missing (listed in ImageSets/Main/{self.split}.txt)"

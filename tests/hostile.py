@@ -1,0 +1,246 @@
+"""Mutants of valid input files, of every kind the project reads (issue 38), for tests/test_hostile_files.py.
+
+A *mutant* is made from nothing but its kind: ``MUTANTS[kind]`` lists ``(name, make)`` where
+``make(path)`` writes one hostile variant of a valid file of that kind at ``path`` (or puts a
+FIFO, a link to a device or a directory there). They are the attacks the issue lists, each
+generated the same way for every kind: special files, truncation, inflation, wrong types,
+huge and non-finite numbers, complex dtypes, stride-0 views, bad encodings.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shlex
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torchvision
+from torch import nn
+
+MiB = 1 << 20
+BOMB_INFLATED = 3 << 30  # what the crafted zip record inflates to (3 GiB; zip32 keeps the writer small)
+
+
+class Payload:
+    """Unpickling this runs ``touch MARKER``: a crafted pickle that would run code."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(self.marker)}",))
+
+
+# ------------------------------------------------------------------------------------ valid inputs
+
+
+def resnet18_state() -> dict[str, torch.Tensor]:
+    """A small-stem ResNet-18 state dict whose tensors repeat one stored value (a few kB on disk)."""
+    with torch.device("meta"):
+        net = torchvision.models.resnet18(weights=None)
+        net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    return {
+        k: torch.full((1,), 0.01, dtype=v.dtype).expand(v.shape) if v.dim() else torch.tensor(0)
+        for k, v in net.state_dict().items()
+        if not k.startswith("fc.")
+    }
+
+
+def torch_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def training_state() -> dict:
+    method = {"w": torch.zeros(4)}
+    return {"method": method, "optimizer": {}, "step": 1, "steps_per_epoch": 1, "scaler": None, "config": {}, "rng": []}
+
+
+def probe_state() -> dict:
+    return {"identity": {}, "head": {"weight": torch.zeros(2, 2)}, "optimizer": {}, "history": [], "epoch": 0}
+
+
+# ----------------------------------------------------------------------------------- the mutations
+
+
+def zip_bomb(valid: bytes) -> bytes:
+    """``valid`` (a torch zip) with its first storage record replaced by a deflated one of ~3 MiB
+    that declares, and inflates to, BOMB_INFLATED bytes of zeros. Deflate blocks ended by a full
+    flush are independent, so one compressed MiB is repeated instead of compressing 3 GiB."""
+    source = zipfile.ZipFile(io.BytesIO(valid))
+    records = [(info.filename, source.read(info.filename)) for info in source.infolist()]
+    target = next(name for name, _ in records if "/data/" in name)
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = c.compress(bytes(MiB)) + c.flush(zlib.Z_FULL_FLUSH)
+    deflated = block * (BOMB_INFLATED // MiB) + zlib.compressobj(9, zlib.DEFLATED, -15).flush()
+    entries = [
+        (name, deflated, 8, BOMB_INFLATED, 0) if name == target else (name, data, 0, len(data), zlib.crc32(data))
+        for name, data in records
+    ]
+    return _zip(entries)
+
+
+def _zip(entries: list[tuple[str, bytes, int, int, int]]) -> bytes:
+    """A zip32 archive of (name, stored bytes, method, uncompressed size, crc) records."""
+    out, central = io.BytesIO(), io.BytesIO()
+    for name, data, method, size, crc in entries:
+        offset = out.tell()
+        encoded = name.encode()
+        header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0, crc, len(data), size, len(encoded), 0)
+        out.write(header + encoded + data)
+        central.write(
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                20,
+                20,
+                0,
+                method,
+                0,
+                0,
+                crc,
+                len(data),
+                size,
+                len(encoded),
+                0,
+                0,
+                0,
+                0,
+                0,
+                offset,
+            )
+            + encoded
+        )
+    start, directory = out.tell(), central.getvalue()
+    out.write(directory)
+    out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(directory), start, 0))
+    return out.getvalue()
+
+
+def _special(kind: str) -> Callable[[Path], None]:
+    def make(path: Path) -> None:
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "dev_zero":
+            path.symlink_to("/dev/zero")
+        else:
+            path.mkdir()
+
+    return make
+
+
+def _bytes(data: bytes | Callable[[], bytes]) -> Callable[[Path], None]:
+    return lambda path: path.write_bytes(data() if callable(data) else data)
+
+
+def _torch_mutants(valid: Callable[[], dict], weights: bool) -> list[tuple[str, Callable[[Path], None]]]:
+    def with_tensor(value: torch.Tensor) -> Callable[[], bytes]:
+        def make() -> bytes:
+            obj = valid()
+            if weights:
+                obj["layer1.0.conv1.weight"] = value
+            else:
+                obj["optimizer"] = {"state": {0: {"momentum_buffer": value}}}
+            return torch_bytes(obj)
+
+        return make
+
+    out = [
+        ("truncated", _bytes(lambda: torch_bytes(valid())[:200])),
+        ("zip_bomb", _bytes(lambda: zip_bomb(torch_bytes(valid())))),
+        ("stride0_16GiB", _bytes(with_tensor(torch.zeros(1, dtype=torch.float64).expand(1 << 31)))),
+        ("top_level_list", _bytes(lambda: torch_bytes([1, 2, 3]))),
+        ("payload", lambda path: path.write_bytes(pickle.dumps({"x": Payload(path.parent / "MARKER")}))),
+    ]
+    if weights:
+        out += [
+            ("nan", _bytes(with_tensor(torch.full((64, 64, 3, 3), float("nan"))))),
+            ("complex_nan", _bytes(with_tensor(torch.full((64, 64, 3, 3), complex("nan+1j"))))),
+            ("strings_for_tensors", _bytes(lambda: torch_bytes({"state_dict": {"conv1.weight": "w" * 100}}))),
+            ("stride0_1GiB_as_weight", _bytes(with_tensor(torch.zeros(1).expand(1 << 28)))),
+        ]
+    else:
+        out += [("wrong_types", _bytes(lambda: torch_bytes({**valid(), "method": [1.0] * 3, "history": "x"})))]
+    return out
+
+
+def _pkl(model: dict) -> Callable[[], bytes]:
+    return lambda: pickle.dumps({"model": model, "__author__": "x", "matching_heuristics": True}, protocol=2)
+
+
+def bomb_png() -> bytes:
+    """69 bytes whose header claims 100000 x 100000 pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def bomb_jpeg(valid: bytes) -> bytes:
+    """A valid JPEG whose frame header (SOF) claims 65000 x 65000 pixels."""
+    data = bytearray(valid)
+    i = 2
+    while i < len(data):
+        marker, length = data[i + 1], struct.unpack(">H", data[i + 2 : i + 4])[0]
+        if marker in (0xC0, 0xC1, 0xC2):
+            data[i + 5 : i + 9] = struct.pack(">HH", 65000, 65000)
+            return bytes(data)
+        i += 2 + length
+    raise ValueError("no SOF marker")
+
+
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(7)
+)
+
+SPECIAL = [(name, _special(name)) for name in ("fifo", "dev_zero", "directory")]
+
+
+def _valid_jpeg() -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def mutants() -> dict[str, list[tuple[str, Callable[[Path], None]]]]:
+    """Every kind's mutants: the special files for all, then the kind's own."""
+    valid_jpeg = _valid_jpeg()
+    weights = _torch_mutants(resnet18_state, weights=True) + [
+        ("pkl_nan", _bytes(_pkl({"stem.conv1.weight": np.full((64, 3, 7, 7), np.nan, np.float32)}))),
+        ("pkl_complex", _bytes(_pkl({"stem.conv1.weight": np.full((64, 3, 7, 7), np.nan, np.complex64)}))),
+        ("pkl_strings", _bytes(_pkl({"stem.conv1.weight": np.array(["a", "b"])}))),
+        ("pkl_truncated", _bytes(lambda: _pkl({"w": np.zeros(100, np.float32)})()[:60])),
+    ]
+    return {
+        "weights": SPECIAL + weights,
+        "training state": SPECIAL + _torch_mutants(training_state, weights=False),
+        "probe state": SPECIAL + _torch_mutants(probe_state, weights=False),
+        "list": SPECIAL + [("not_utf8", _bytes(b"\xff\xfe a 0\n")), ("escapes", _bytes(b"../../../../etc/passwd 0\n"))],
+        # a directory named like an image is a folder the scan enters, not a file it expects
+        "image": [m for m in SPECIAL if m[0] != "directory"]
+        + [
+            ("bomb_png", _bytes(bomb_png)),
+            ("bomb_jpeg", _bytes(bomb_jpeg(valid_jpeg))),
+            ("truncated_jpeg", _bytes(valid_jpeg[: len(valid_jpeg) // 3])),
+        ],
+        "config": SPECIAL
+        + [
+            ("not_utf8", _bytes(b"name: \xff\xfe\n")),
+            ("alias_bomb", _bytes(ALIAS_BOMB.encode())),
+            ("python_tag", _bytes(b"name: !!python/object/apply:os.system ['true']\n")),
+        ],
+        "log": SPECIAL
+        + [("not_utf8", _bytes(b'{"step": 1, "loss": \xff}\n')), ("deep", _bytes(b"[" * 100_000 + b"\n"))],
+    }
