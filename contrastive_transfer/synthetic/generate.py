@@ -1,6 +1,6 @@
 """Synthetic datasets in the real on-disk layouts, deterministic for a seed.
 
-    python -m contrastive_transfer.synthetic --out DIR [--seed S] [--preset tiny|small|voc07]
+    python -m contrastive_transfer.synthetic --out DIR [--seed S] [--preset tiny|small|voc07|digits]
 
 writes, under DIR:
 
@@ -17,7 +17,8 @@ writes, under DIR:
 Detection class i (VOC order, and its COCO counterpart) is drawn as ``SHAPES[i]``; ImageNet class i
 is the same shape, so pretraining on ``imagenet`` transfers to the detection sets as it should.
 Images are seeded per (seed, dataset, split, index), so the bytes do not depend on the number of
-worker processes.
+worker processes. ``--preset digits`` writes real images instead: scikit-learn's bundled UCI
+handwritten digits in the ImageNet and VOC layouts (``digits.py``).
 """
 
 from __future__ import annotations
@@ -317,12 +318,14 @@ def write_imagenet(root: Path, preset: Preset, seed: int, workers: int) -> dict:
     return summary
 
 
-def _voc_xml(folder: str, image_id: str, ann: dict) -> bytes:
+def _voc_xml(
+    folder: str, image_id: str, ann: dict, database: str = "synthetic shapes (contrastive_transfer.synthetic)"
+) -> bytes:
     root = ET.Element("annotation")
     ET.SubElement(root, "folder").text = folder
     ET.SubElement(root, "filename").text = f"{image_id}.jpg"
     source = ET.SubElement(root, "source")
-    ET.SubElement(source, "database").text = "synthetic shapes (contrastive_transfer.synthetic)"
+    ET.SubElement(source, "database").text = database
     size = ET.SubElement(root, "size")
     for tag, value in (("width", ann["width"]), ("height", ann["height"]), ("depth", 3)):
         ET.SubElement(size, tag).text = str(value)
@@ -477,16 +480,13 @@ def write_places205(root: Path, preset: Preset, seed: int, workers: int) -> dict
 
 
 # ----------------------------------------------------------------------------------- main
-def generate(
-    out: str | os.PathLike, seed: int = 0, preset: str = "tiny", workers: int = 1, force: bool = False
-) -> dict:
-    """Write every dataset under `out` and return the manifest. Re-running with the same seed and
-    preset on a complete output does nothing; a different seed/preset replaces what this
-    generator wrote before; folders it did not write are never deleted without `force`."""
-    if preset not in PRESETS:
-        raise ValueError(f"--preset {preset!r}: expected one of {sorted(PRESETS)}")
-    out = Path(out)
-    config = {"format_version": FORMAT_VERSION, "seed": seed, "preset": preset, **asdict(PRESETS[preset])}
+PRESET_NAMES = (*PRESETS, "digits")  # digits: the real UCI digits of scikit-learn (digits.py)
+
+
+def _claim(out: Path, config: dict, force: bool) -> dict | None:
+    """The manifest already at ``out`` when it was written with ``config`` (nothing to do); else
+    None after removing what this generator wrote before. Folders it did not write (no manifest)
+    are refused without ``force``."""
     manifest_path = out / "manifest.json"
     previous = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
     if previous is not None and previous.get("config") == json.loads(json.dumps(config)):
@@ -500,7 +500,37 @@ def generate(
     for d in existing:
         shutil.rmtree(out / d)
     manifest_path.unlink(missing_ok=True)
+    return None
 
+
+def _write_manifest(out: Path, manifest: dict) -> dict:
+    manifest_path = out / "manifest.json"
+    tmp = manifest_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    tmp.replace(manifest_path)  # last: its presence means the datasets are complete
+    return manifest
+
+
+def generate(
+    out: str | os.PathLike, seed: int = 0, preset: str = "tiny", workers: int = 1, force: bool = False
+) -> dict:
+    """Write every dataset under `out` and return the manifest. Re-running with the same seed and
+    preset on a complete output does nothing; a different seed/preset replaces what this
+    generator wrote before; folders it did not write are never deleted without `force`.
+    ``preset="digits"`` writes the real digits (``digits.py``) instead of the drawn shapes."""
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"--preset {preset!r}: expected one of {sorted(PRESET_NAMES)}")
+    out = Path(out)
+    if preset == "digits":
+        from contrastive_transfer.synthetic import digits
+
+        config = {"format_version": FORMAT_VERSION, **digits.config(seed)}
+        previous = _claim(out, config, force)
+        return previous or _write_manifest(out, {"config": config, **digits.write_digits(out, seed)})
+    config = {"format_version": FORMAT_VERSION, "seed": seed, "preset": preset, **asdict(PRESETS[preset])}
+    previous = _claim(out, config, force)
+    if previous is not None:
+        return previous
     p = PRESETS[preset]
     manifest = {"config": config}
     manifest["imagenet"] = write_imagenet(out / "imagenet", p, seed, workers)
@@ -510,10 +540,7 @@ def generate(
     manifest["VOC2012"] = write_voc(out / "VOC2012", 2012, {"trainval": p.voc12_trainval}, p, seed, workers)
     manifest["coco"] = write_coco(out / "coco", p, seed, workers)
     manifest["places205"] = write_places205(out / "places205", p, seed, workers)
-    tmp = manifest_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    tmp.replace(manifest_path)  # last: its presence means the datasets are complete
-    return manifest
+    return _write_manifest(out, manifest)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -524,7 +551,12 @@ def main(argv: list[str] | None = None) -> None:
         "--out", "--output-dir", required=True, help="output root (becomes DETECTRON2_DATASETS-style root)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        choices=sorted(PRESET_NAMES),
+        help="tiny, small, voc07: drawn shapes; digits: scikit-learn's real handwritten digits, no download",
+    )
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--force", action="store_true", help="overwrite dataset folders not written by this tool")
     args = parser.parse_args(argv)
@@ -534,6 +566,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     out = Path(args.out).resolve()
     voc07 = m["VOC2007"]["splits"]
+    if args.preset == "digits":
+        print(f"UCI handwritten digits (scikit-learn's copy, seed {args.seed}) in {out}")
+        print(
+            f"  imagenet   {out / 'imagenet'}: {m['imagenet']['train']['images']} train / "
+            f"{m['imagenet']['val']['images']} val images, 10 classes"
+        )
+        print(f"  VOC2007    {out / 'VOC2007'}: {len(voc07['trainval']['ids'])} trainval / {len(voc07['test']['ids'])} test")
+        print(f"  VOC2012    {out / 'VOC2012'}: {len(m['VOC2012']['splits']['trainval']['ids'])} trainval")
+        return
     print(f"synthetic datasets (preset {args.preset}, seed {args.seed}) in {out}")
     print(
         f"  imagenet   {out / 'imagenet'}: {m['imagenet']['train']['images']} train / "
