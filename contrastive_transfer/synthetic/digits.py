@@ -57,7 +57,9 @@ class DigitsPreset:
 
 
 DIGITS = DigitsPreset(0.3, 32, 40, 400, 400, 300, (128, 176), (96, 144), (24, 56))
-OWNED_DIRS = ("imagenet", "VOC2007", "VOC2012")
+# What a recipe needs to pretrain on these images: the digits augmentation (no flip, small affine)
+# at 32 px, the digit's side (benchmarks/learning.py --data digits, tools/demo.py --preset digits).
+PRETRAIN_OVERRIDES = ("data.augmentation=digits", "data.image_size=32")
 
 
 def load() -> tuple[np.ndarray, np.ndarray]:

@@ -568,22 +568,18 @@ def main(argv: list[str] | None = None) -> None:
     voc07 = m["VOC2007"]["splits"]
     if args.preset == "digits":
         print(f"UCI handwritten digits (scikit-learn's copy, seed {args.seed}) in {out}")
-        print(
-            f"  imagenet   {out / 'imagenet'}: {m['imagenet']['train']['images']} train / "
-            f"{m['imagenet']['val']['images']} val images, 10 classes"
-        )
-        print(f"  VOC2007    {out / 'VOC2007'}: {len(voc07['trainval']['ids'])} trainval / {len(voc07['test']['ids'])} test")
-        print(f"  VOC2012    {out / 'VOC2012'}: {len(m['VOC2012']['splits']['trainval']['ids'])} trainval")
-        return
-    print(f"synthetic datasets (preset {args.preset}, seed {args.seed}) in {out}")
+    else:
+        print(f"synthetic datasets (preset {args.preset}, seed {args.seed}) in {out}")
     print(
         f"  imagenet   {out / 'imagenet'}: {m['imagenet']['train']['images']} train / "
-        f"{m['imagenet']['val']['images']} val images, {len(IMAGENET_CLASSES)} classes"
+        f"{m['imagenet']['val']['images']} val images, {len(m['imagenet']['classes'])} classes"
     )
     print(
         f"  VOC2007    {out / 'VOC2007'}: {len(voc07['trainval']['ids'])} trainval / {len(voc07['test']['ids'])} test"
     )
     print(f"  VOC2012    {out / 'VOC2012'}: {len(m['VOC2012']['splits']['trainval']['ids'])} trainval")
+    if args.preset == "digits":
+        return
     print(
         f"  coco       {out / 'coco'}: {m['coco']['train2017']['images']} train2017 / "
         f"{m['coco']['val2017']['images']} val2017 images"

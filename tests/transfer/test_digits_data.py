@@ -15,7 +15,13 @@ from PIL import Image
 from contrastive_transfer.synthetic import VOC_CLASSES, generate
 from contrastive_transfer.synthetic.digits import DIGITS, INK_THRESHOLD
 
-SPLITS = [("VOC2007", "trainval"), ("VOC2007", "train"), ("VOC2007", "val"), ("VOC2007", "test"), ("VOC2012", "trainval")]
+SPLITS = [
+    ("VOC2007", "trainval"),
+    ("VOC2007", "train"),
+    ("VOC2007", "val"),
+    ("VOC2007", "test"),
+    ("VOC2012", "trainval"),
+]
 
 
 @pytest.fixture(scope="module")
