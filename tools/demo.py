@@ -100,7 +100,10 @@ BUDGETS = {
         data_name="the real handwritten digits (scikit-learn's UCI copy)",
     ),
 }
-DEFAULT_DATA = {"digits": Path("datasets/digits")}  # other presets: datasets/synthetic
+# Where a preset's data and demo go by default (others: datasets/synthetic, outputs/demo): the
+# digits demo beside the synthetic one, so that neither refuses the other's folder.
+DEFAULT_DATA = {"digits": Path("datasets/digits")}
+DEFAULT_OUT = {"digits": Path("outputs/demo_digits")}
 
 
 @dataclass(frozen=True)
@@ -471,7 +474,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="small", choices=sorted(BUDGETS), help="data preset (and its budget)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recipe", default="tiny_simclr", help="a tiny recipe: configs/pretrain/<recipe>.yaml")
-    parser.add_argument("--out", "--output-dir", type=Path, default=Path("outputs/demo"), help="output folder")
+    parser.add_argument(
+        "--out",
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="output folder (default outputs/demo, outputs/demo_digits)",
+    )
     parser.add_argument("--fresh", action="store_true", help="redo every stage")
     args = parser.parse_args(argv)
 
@@ -481,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: RECIPE={args.recipe}: expected a tiny recipe of configs/pretrain: {', '.join(names)}")
         return 2
     args.data = args.data or DEFAULT_DATA.get(args.preset, Path("datasets/synthetic"))
+    args.out = args.out or DEFAULT_OUT.get(args.preset, Path("outputs/demo"))
     args.data, args.out = args.data.resolve(), args.out.resolve()
     if args.fresh and args.out.exists():
         shutil.rmtree(args.out)
