@@ -43,7 +43,6 @@ def test_imagefolder_images_are_the_digits_they_name_split_stratified_and_disjoi
     from torchvision.datasets import ImageFolder
 
     seen: dict[str, list[int]] = {}
-    margin, side = (DIGITS.image_side - DIGITS.digit_side) // 2, DIGITS.digit_side
     for split in ("train", "val"):
         ds = ImageFolder(str(digits_root / "imagenet" / split))
         assert ds.classes == [str(d) for d in range(10)]
@@ -52,14 +51,10 @@ def test_imagefolder_images_are_the_digits_they_name_split_stratified_and_disjoi
             index = int(path.rsplit("/", 1)[1].split(".")[0])
             assert sklearn_digits.target[index] == target  # the folder is the digit's label
             seen[split].append(index)
-        for path, _ in ds.samples[::97]:  # the pixels: 4×4 block means of the centre follow the 8×8 digit
-            with Image.open(path) as im:
-                assert im.mode == "RGB" and im.size == (DIGITS.image_side,) * 2
-                gray = np.asarray(im.convert("L"), dtype=np.float64)[margin : margin + side, margin : margin + side]
-            blocks = gray.reshape(8, 4, 8, 4).mean(axis=(1, 3))
+        for path, _ in ds.samples[::97]:
             index = int(path.rsplit("/", 1)[1].split(".")[0])
-            # bilinear smooths the blocks: their correlation with the source digit, not equality
-            assert np.corrcoef(blocks.ravel(), sklearn_digits.images[index].ravel())[0, 1] > 0.9
+            assert _unplaced_correlation(path, manifest["imagenet"][split]["placements"][f"{index:04d}"],
+                                         sklearn_digits.images[index]) > 0.85  # fmt: skip
     train, val = set(seen["train"]), set(seen["val"])
     assert not train & val and train | val == set(range(1797))
     assert sorted(val) == manifest["imagenet"]["val"]["indices"]
@@ -144,3 +139,30 @@ def _first(cls: str, manifest: dict) -> str:
 
     target = load_digits().target
     return f"{next(i for i in manifest['imagenet']['val']['indices'] if str(target[i]) == cls):04d}.JPEG"
+
+
+def _unplaced_correlation(path, placement: dict, digit: np.ndarray) -> float:
+    """The placed digit undone (cut out of its box, rotated back, 8×8 box means) against the source:
+    their correlation; and nothing outside the box (black, up to JPEG ringing)."""
+    x, y, w, h = placement["box"]
+    side = placement["side"]
+    with Image.open(path) as im:
+        assert im.mode == "RGB" and im.size == (DIGITS.image_side,) * 2
+        gray = im.convert("L")
+    outside = np.asarray(gray).copy()
+    outside[y : y + h, x : x + w] = 0
+    assert outside.max() < 40
+    back = gray.crop((x, y, x + w, y + h)).rotate(-placement["angle"], Image.Resampling.BILINEAR)
+    left, top = (w - side) // 2, (h - side) // 2
+    small = back.crop((left, top, left + side, top + side)).resize((8, 8), Image.Resampling.BOX)
+    return float(np.corrcoef(np.asarray(small, dtype=np.float64).ravel(), digit.ravel())[0, 1])
+
+
+def test_the_placement_check_fails_on_another_digit(digits_root, manifest, sklearn_digits):
+    """The control of the pixel check: the same image against another digit's source correlates less."""
+    index = manifest["imagenet"]["val"]["indices"][0]
+    label = sklearn_digits.target[index]
+    other = next(i for i in range(1797) if sklearn_digits.target[i] != label)
+    path = digits_root / "imagenet" / "val" / str(label) / f"{index:04d}.JPEG"
+    placement = manifest["imagenet"]["val"]["placements"][f"{index:04d}"]
+    assert _unplaced_correlation(path, placement, sklearn_digits.images[other]) < 0.85
