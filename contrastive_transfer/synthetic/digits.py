@@ -33,6 +33,7 @@ import numpy as np
 from PIL import Image
 
 from contrastive_transfer.progress import progress
+from contrastive_transfer.synthetic.voc import VOC_CLASSES, voc_xml
 
 DIGIT_CLASSES = tuple(str(d) for d in range(10))  # the ImageFolder class folders
 INK_THRESHOLD = 32  # of 255: a box holds the digit's pixels above it (bilinear tails are fainter)
@@ -187,8 +188,6 @@ def render_canvas(key: tuple[int, ...], first_class: int, deck: DigitDeck, image
 
 def write_voc_digits(root: Path, year: int, splits: dict, p: DigitsPreset, seed: int, data) -> dict:
     """``splits``: generated split name → (number of canvases, digit indices it draws from)."""
-    from contrastive_transfer.synthetic.generate import VOC_CLASSES, _voc_xml
-
     images, labels = data
     main = root / "ImageSets" / "Main"
     main.mkdir(parents=True, exist_ok=True)
@@ -204,7 +203,7 @@ def write_voc_digits(root: Path, year: int, splits: dict, p: DigitsPreset, seed:
                 (seed, year, split_id, i), i % 10, deck, images, labels, p, root / "JPEGImages" / f"{image_id}.jpg"
             )
             (root / "Annotations" / f"{image_id}.xml").write_bytes(
-                _voc_xml(root.name, image_id, ann, "UCI handwritten digits (sklearn.datasets.load_digits)")
+                voc_xml(root.name, image_id, ann, "UCI handwritten digits (sklearn.datasets.load_digits)")
             )
             anns[image_id] = {**ann, "digits": sources}
         ids_of[split] = ids

@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import sys
-import xml.etree.ElementTree as ET
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -45,31 +44,10 @@ from contrastive_transfer.synthetic.shapes import (
     place,
     scene,
 )
+from contrastive_transfer.synthetic.voc import VOC_CLASSES, voc_xml
 
 FORMAT_VERSION = 3  # bump whenever the images change, so old outputs are regenerated
 
-VOC_CLASSES = (
-    "aeroplane",
-    "bicycle",
-    "bird",
-    "boat",
-    "bottle",
-    "bus",
-    "car",
-    "cat",
-    "chair",
-    "cow",
-    "diningtable",
-    "dog",
-    "horse",
-    "motorbike",
-    "person",
-    "pottedplant",
-    "sheep",
-    "sofa",
-    "train",
-    "tvmonitor",
-)
 # The 80 COCO 2017 detection categories with their official ids (1..90, with gaps).
 COCO_CATEGORIES = (
     (1, "person"),
@@ -318,32 +296,6 @@ def write_imagenet(root: Path, preset: Preset, seed: int, workers: int) -> dict:
     return summary
 
 
-def _voc_xml(
-    folder: str, image_id: str, ann: dict, database: str = "synthetic shapes (contrastive_transfer.synthetic)"
-) -> bytes:
-    root = ET.Element("annotation")
-    ET.SubElement(root, "folder").text = folder
-    ET.SubElement(root, "filename").text = f"{image_id}.jpg"
-    source = ET.SubElement(root, "source")
-    ET.SubElement(source, "database").text = database
-    size = ET.SubElement(root, "size")
-    for tag, value in (("width", ann["width"]), ("height", ann["height"]), ("depth", 3)):
-        ET.SubElement(size, tag).text = str(value)
-    ET.SubElement(root, "segmented").text = "0"
-    for obj in ann["objects"]:
-        node = ET.SubElement(root, "object")
-        ET.SubElement(node, "name").text = VOC_CLASSES[obj["class"]]
-        ET.SubElement(node, "pose").text = "Unspecified"
-        ET.SubElement(node, "truncated").text = str(obj["truncated"])
-        ET.SubElement(node, "difficult").text = str(obj["difficult"])
-        box = ET.SubElement(node, "bndbox")
-        x0, y0, x1, y1 = obj["box"]
-        for tag, value in zip(("xmin", "ymin", "xmax", "ymax"), (x0 + 1, y0 + 1, x1 + 1, y1 + 1)):
-            ET.SubElement(box, tag).text = str(value)  # VOC boxes are 1-based and inclusive
-    ET.indent(root)
-    return ET.tostring(root, encoding="utf-8")
-
-
 def voc_image_labels(objects: list[dict]) -> dict[str, int]:
     """VOC classification labels of one image: 1 present, 0 present only as difficult, -1 absent."""
     labels = {c: -1 for c in VOC_CLASSES}
@@ -380,7 +332,7 @@ def write_voc(root: Path, year: int, splits: dict[str, int], preset: Preset, see
             for i, image_id in enumerate(ids)
         ]
         for image_id, ann in zip(ids, _render_all(jobs, f"{root.name}/{split}", workers)):
-            (root / "Annotations" / f"{image_id}.xml").write_bytes(_voc_xml(root.name, image_id, ann))
+            (root / "Annotations" / f"{image_id}.xml").write_bytes(voc_xml(root.name, image_id, ann))
             anns[image_id] = ann
         ids_of[split] = ids
         if split == "trainval" and "test" in splits:
