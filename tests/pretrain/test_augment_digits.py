@@ -60,3 +60,25 @@ def test_digits_views_are_never_mirrored_and_the_flipping_control_is(tmp_path):
         signs[preset] = np.sign(diffs)
     assert (signs["digits"] > 0).all()  # 64 views: the bright half stays on the left
     assert (signs["simclr"] < 0).any()  # the control: a flip puts it on the right
+
+
+def test_every_tiny_recipe_builds_its_views_on_the_digits_by_naming_the_preset(digits_root):
+    """The digits overrides (augmentation preset, 32 px) on each tiny recipe: its views, AdCo's
+    multi-crop included, are made from the digits preset's ops, at the recipe's sizes."""
+    from pathlib import Path
+
+    from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
+    from pretrain.config import load_config
+    from pretrain.methods import METHODS
+
+    recipes = sorted((Path(__file__).resolve().parents[2] / "configs" / "pretrain").glob("tiny_*.yaml"))
+    assert len(recipes) >= 16
+    with Image.open(next((digits_root / "imagenet" / "train" / "3").iterdir())) as im:
+        image = im.convert("RGB")
+    for recipe in recipes:
+        cfg = load_config(recipe, [f"data.root={digits_root / 'imagenet' / 'train'}", *PRETRAIN_OVERRIDES])
+        assert cfg.data.augmentation == "digits" and list(cfg.data.views[0]) == ["crop", "affine", "jitter", "blur"]
+        views = METHODS[cfg.method.name].view_transforms(cfg)
+        sides = [view(image).shape[-1] for view in views]
+        expected = {"tiny_adco_multicrop": 6, "tiny_supervised": 1}.get(recipe.stem, 2)  # key + 5 queries; one view
+        assert sides[0] == 32 and len(sides) == expected, (recipe.stem, sides)

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from contrastive_transfer.synthetic import VOC_CLASSES, generate
-from contrastive_transfer.synthetic.digits import DIGITS, INK_THRESHOLD
+from contrastive_transfer.synthetic.digits import DIGITS, INK_THRESHOLD, stratified_split
 
 SPLITS = [
     ("VOC2007", "trainval"),
@@ -124,14 +124,16 @@ def test_svm_split_has_the_ten_digit_classes_agreeing_with_the_annotations(digit
         assert (labels.labels == 1).sum(axis=0).min() >= 30  # every class has positives for the SVM
 
 
-def test_same_seed_same_bytes_another_seed_another_split(digits_root, manifest, tmp_path):
+def test_same_seed_same_bytes_another_seed_another_split(digits_root, manifest, sklearn_digits, tmp_path):
     again = generate(tmp_path / "again", seed=0, preset="digits")
     assert json.loads(json.dumps(again)) == manifest
     for rel in ("VOC2007/JPEGImages/000007.jpg", "imagenet/val/3/" + _first("3", manifest)):
         assert (tmp_path / "again" / rel).read_bytes() == (digits_root / rel).read_bytes()
-    other = generate(tmp_path / "other", seed=1, preset="digits")
-    assert other["imagenet"]["val"]["indices"] != manifest["imagenet"]["val"]["indices"]
-    assert other["imagenet"]["val"]["per_class"] == manifest["imagenet"]["val"]["per_class"]
+    train, val = stratified_split(sklearn_digits.target, DIGITS.val_fraction, seed=1)
+    assert sorted(val.tolist()) != manifest["imagenet"]["val"]["indices"]
+    counts = np.bincount(sklearn_digits.target[val], minlength=10)
+    assert {str(c): int(n) for c, n in enumerate(counts)} == manifest["imagenet"]["val"]["per_class"]
+    assert not set(train) & set(val) and len(train) + len(val) == 1797
 
 
 def _first(cls: str, manifest: dict) -> str:
