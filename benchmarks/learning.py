@@ -18,7 +18,18 @@ its PNG from the lines whose hash is the recipe's current one, listing what is m
 ``--preset digits`` (``benchmarks/learning_digits.md``): scikit-learn's UCI digits (1,258 train /
 539 val images, the digit placed at random in a 40-px image; ``contrastive_transfer/synthetic/
 digits.py``), pretrained at 32 px with the ``digits`` augmentation (no flip, small affine) for
-DIGITS_EPOCHS epochs. Why that budget: its pilot, in docs/datasets.md.
+DIGITS_EPOCHS epochs, batch 16, the recipes' ResNet-18 with its ImageNet stem (at 32 px, res5 is
+1×1; the small stem would cost 16× the compute).
+
+Why 20 epochs: the pilot (2026-11-25, seed 0, AMD EPYC 2 cores shared with other jobs, load
+average about 4; kNN k 20 on val, ``transfer.knn --crop auto``; random init 39.9):
+tiny_simclr 10 epochs 64.2 (+24.3; 4.0 min of steps); tiny_mocov2 10 epochs 42.9 (+3.0; 5.5 min),
+20 epochs 62.0 (+22.1; 12.5 min; its monitor at epochs 5/10/15: 41.0, 48.2, 59.4). At 10 epochs
+MoCo v2 has barely started; at 20 both clear the issue's +20 points. Steps took 0.24-0.38 s under
+that load against 0.13 s when the machine was quieter, so a 20-epoch run should take 3-4 min of
+pretraining on two idle cores plus about a minute of kNN and probe: the whole table (16 recipes ×
+3 seeds, AdCo's multi-crop about 2.5× the others) about 3.5-4 hours, more than the synthetic
+table's 2. ``--epochs 10`` halves it for the recipes that learn as fast as SimCLR.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ KNN_K, PROBE_PRESET = 20, "bn"
 EPOCHS = 6  # pretraining budget of a row: the same images seen by every recipe
 SEEDS = 3  # pretraining seeds per row: one seed's spread (up to ±6 kNN points) exceeds the margin
 MARGIN = 5.0  # kNN points a recipe must gain over its random init
-DIGITS_EPOCHS = 10  # the digits' budget: 12,580 images seen, as many as 6 epochs of the synthetic set's 1500
+DIGITS_EPOCHS = 20  # the digits' budget: the pilot below (module docstring)
 RUNS_FILE = ROOT / "benchmarks" / "learning_runs.jsonl"  # every measured run, one JSON line each
 
 

@@ -207,7 +207,7 @@ def test_runs_carry_over_to_another_machine_and_the_digits_table_is_written_besi
     table = digits.read_text()
     assert table.startswith("# Does every method learn? Tiny recipes on the real handwritten digits")
     assert "| tiny_simclr | simclr | 0, 1 | 90.5 ± 0.7 | 49.7 ± 0.0 | +40.8 ± 0.7 | ✓ |" in table
-    assert "--preset digits --epochs 10 --seeds 2" in table
+    assert f"--preset digits --epochs {learning.DIGITS_EPOCHS} --seeds 2" in table
     learning.main([*common, "--work", str(tmp_path / "machine3"), "--out", str(synthetic)])
     assert synthetic.read_text() == before and len(calls) == 4  # the digits lines left the synthetic table alone
 
