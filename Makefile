@@ -3,8 +3,14 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
-DATA ?= datasets/synthetic
+# DATA: synthetic (the drawn shapes, datasets/synthetic), digits (scikit-learn's real handwritten
+# digits, datasets/digits, with their data preset and budget), or a data folder.
+DATA ?= synthetic
 PRESET ?= small
+ifeq ($(DATA),digits)
+override PRESET := digits
+endif
+DATA_DIR := $(if $(filter synthetic digits,$(DATA)),datasets/$(if $(filter digits,$(PRESET)),digits,synthetic),$(DATA))
 SEED ?= 0
 RECIPE ?= tiny_simclr
 
@@ -18,9 +24,10 @@ $(STAMP): pyproject.toml tools/setup_env.sh tools/install_detectron2_pypi.py
 	touch $@
 
 # The whole pipeline on generated data (tools/demo.py): pretrain the tiny RECIPE, then kNN,
-# VOC07 SVM, linear probe and FPN fine-tune against a random-init backbone; outputs/demo/report.md.
+# VOC07 SVM, linear probe and FPN fine-tune against a random-init backbone; outputs/demo/report.md
+# (DATA=digits: outputs/demo_digits/report.md).
 demo: setup
-	$(PY) tools/demo.py --data $(DATA) --preset $(PRESET) --seed $(SEED) --recipe $(RECIPE) $(if $(FRESH),--fresh)
+	$(PY) tools/demo.py --data $(DATA_DIR) --preset $(PRESET) --seed $(SEED) --recipe $(RECIPE) $(if $(FRESH),--fresh)
 
 # One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores.
 test: setup
@@ -46,4 +53,4 @@ lint: setup
 	$(VENV)/bin/mypy
 
 clean-data:
-	rm -rf $(DATA)
+	rm -rf $(DATA_DIR)

@@ -1,20 +1,41 @@
 """Does every method learn? One row per tiny recipe, same data and budget: pretrain on the synthetic
-ImageNet-like set, then kNN and linear-probe top-1 of the exported backbone against the same
-architecture at random initialization, with wall time, images/s and peak memory.
+ImageNet-like set (or on the real handwritten digits), then kNN and linear-probe top-1 of the
+exported backbone against the same architecture at random initialization, with wall time, images/s
+and peak memory.
 
-    python -m benchmarks.learning [--recipes tiny_simclr,tiny_mocov2] [--epochs 6] [--seeds 3] [--fresh]
+    python -m benchmarks.learning [--preset small|digits] [--recipes tiny_simclr,tiny_mocov2]
+                                  [--epochs E] [--seeds 3] [--fresh]
 
 Each recipe is pretrained with seeds 0..S-1 and compared with random inits of the same seeds; a
 row is the mean ± std over its seeds, and it clears the 5-point kNN margin on its mean gain.
-Runs are kept per (recipe, seed) under --work (a measured run is not redone unless --fresh, or
-unless the recipe's resolved config no longer hashes to the run's: an edited recipe is measured
-again, from a clean run directory), so the table can be built across several sessions; each run
-rewrites --out (markdown) and its PNG from everything measured so far, listing what is missing.
+
+Every measured run is one JSON line of ``benchmarks/learning_runs.jsonl`` (committed), keyed by
+(data preset, recipe, seed, config hash): a run with a line there is never measured again, on any
+machine, unless --fresh; an edited recipe hashes differently and is measured again, from a clean
+run directory under --work (where the runs themselves live). Each run rewrites --out (markdown) and
+its PNG from the lines whose hash is the recipe's current one, listing what is missing.
+
+``--preset digits`` (``benchmarks/learning_digits.md``): scikit-learn's UCI digits (1,258 train /
+539 val images, the digit placed at random in a 40-px image; ``contrastive_transfer/synthetic/
+digits.py``), pretrained at 32 px with the ``digits`` augmentation (no flip, small affine) for
+DIGITS_EPOCHS epochs, batch 16, the recipes' ResNet-18 with its ImageNet stem (at 32 px, res5 is
+1×1; the small stem would cost 16× the compute).
+
+Why 20 epochs: the pilot (2026-11-25, seed 0, AMD EPYC 2 cores shared with other jobs, load
+average about 4; kNN k 20 on val, ``transfer.knn --crop auto``; random init 39.9):
+tiny_simclr 10 epochs 64.2 (+24.3; 4.0 min of steps); tiny_mocov2 10 epochs 42.9 (+3.0; 5.5 min),
+20 epochs 62.0 (+22.1; 12.5 min; its monitor at epochs 5/10/15: 41.0, 48.2, 59.4). At 10 epochs
+MoCo v2 has barely started; at 20 both clear the issue's +20 points. Steps took 0.24-0.38 s under
+that load against 0.13 s when the machine was quieter, so a 20-epoch run should take 3-4 min of
+pretraining on two idle cores plus about a minute of kNN and probe: the whole table (16 recipes ×
+3 seeds, AdCo's multi-crop about 2.5× the others) about 3.5-4 hours, more than the synthetic
+table's 2. ``--epochs 10`` halves it for the recipes that learn as fast as SimCLR.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,6 +49,7 @@ import time
 from pathlib import Path
 
 from benchmarks import cell, cpu_name, mean_std
+from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "configs" / "pretrain"
@@ -38,13 +60,47 @@ KNN_K, PROBE_PRESET = 20, "bn"
 EPOCHS = 6  # pretraining budget of a row: the same images seen by every recipe
 SEEDS = 3  # pretraining seeds per row: one seed's spread (up to ±6 kNN points) exceeds the margin
 MARGIN = 5.0  # kNN points a recipe must gain over its random init
+DIGITS_EPOCHS = 20  # the digits' budget: the pilot below (module docstring)
+RUNS_FILE = ROOT / "benchmarks" / "learning_runs.jsonl"  # every measured run, one JSON line each
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPreset:
+    """The data a table runs on: the generator's preset, its default folders and the recipe overrides."""
+
+    name: str
+    root: str  # default --data
+    out: str  # default --out
+    epochs: int  # default --epochs
+    overrides: tuple[str, ...]  # recipe overrides every run of this data takes
+    heading: str
+    description: str  # the data and the input size, for the table's intro
+
+
+PRESETS = {
+    "small": DataPreset(
+        "small", "datasets/synthetic", "benchmarks/learning.md", EPOCHS, (), "the synthetic data",
+        "the `small` synthetic ImageNet-like set (1500 training images, 10 shape classes, 64 px)",
+    ),
+    "digits": DataPreset(
+        "digits", "datasets/digits", "benchmarks/learning_digits.md", DIGITS_EPOCHS, PRETRAIN_OVERRIDES,
+        "the real handwritten digits",
+        "scikit-learn's UCI handwritten digits (1258 training / 539 val images, 10 classes, each digit placed at "
+        "random in a 40-px image; `--preset digits`), pretrained at 32 px with the `digits` augmentation "
+        "(no flip, crops of ≥ half the image, ±15° affine)",
+    ),
+}  # fmt: skip
 
 
 def ensure_small_synthetic(data: Path) -> None:
-    """Generate the small synthetic preset at ``data`` unless it is there."""
+    ensure_data(data, "small")
+
+
+def ensure_data(data: Path, preset: str = "small") -> None:
+    """Generate the data preset at ``data`` unless it is there."""
     if not (data / "manifest.json").is_file():
         subprocess.run(
-            [sys.executable, "-m", "contrastive_transfer.synthetic", "--out", str(data), "--preset", "small"],
+            [sys.executable, "-m", "contrastive_transfer.synthetic", "--out", str(data), "--preset", preset],
             cwd=ROOT,
             check=True,
         )
@@ -207,7 +263,9 @@ def config_hash(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] 
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def measure(recipe: str, epochs: int, seed: int, data: Path, work: Path, fresh: bool = False) -> dict:
+def measure(
+    recipe: str, epochs: int, seed: int, data: Path, work: Path, fresh: bool = False, extra: tuple[str, ...] = ()
+) -> dict:
     from pretrain.config import load_config
 
     run = work / "runs" / recipe / f"seed{seed}"
@@ -218,6 +276,7 @@ def measure(recipe: str, epochs: int, seed: int, data: Path, work: Path, fresh: 
         f"data.root={data / 'imagenet' / 'train'}",
         f"train.output_dir={run / 'pretrain'}",
         *_budget(epochs, seed),
+        *extra,
     ]
     cfg = load_config(RECIPES / f"{recipe}.yaml", overrides)
     final = run / "pretrain" / "checkpoint_final.pth"
@@ -251,8 +310,9 @@ def measure(recipe: str, epochs: int, seed: int, data: Path, work: Path, fresh: 
         "random_knn_top1": random["knn_top1"],
         "random_linear_top1": random["linear_top1"],
         "load_avg_5min": load,
-        "config_hash": config_hash(recipe, epochs, seed),
+        "config_hash": config_hash(recipe, epochs, seed, extra),
         "git_sha": _git_sha(),
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores",
     }
 
 
@@ -326,12 +386,14 @@ def write_table(runs: dict[str, list[dict]], recipes: list[str], out: Path, args
     # Only the listed recipes: rows of a recipe since deleted stay on disk but not in the figures.
     runs = {recipe: runs[recipe] for recipe in recipes if runs.get(recipe)}
     seeds = ", ".join(map(str, range(args.seeds)))
+    data = PRESETS[getattr(args, "preset", "small")]
+    flag = "" if data.name == "small" else f" --preset {data.name}"
     lines = [
-        "# Does every method learn? Tiny recipes on the synthetic data",
+        f"# Does every method learn? Tiny recipes on {data.heading}",
         "",
-        f"`python -m benchmarks.learning --epochs {args.epochs} --seeds {args.seeds}`: each tiny recipe pretrained for "
-        f"{args.epochs} epochs with seeds {seeds} on the `small` synthetic ImageNet-like set (1500 training images, "
-        f"10 shape classes, 64 px), then kNN (k {KNN_K}) and the `{PROBE_PRESET}` linear probe (BN without affine "
+        f"`python -m benchmarks.learning{flag} --epochs {args.epochs} --seeds {args.seeds}`: each tiny recipe "
+        f"pretrained for {args.epochs} epochs with seeds {seeds} on {data.description}, then kNN (k {KNN_K}) and "
+        f"the `{PROBE_PRESET}` linear probe (BN without affine "
         "+ fc on res5avg, 10 epochs, SGD lr 0.03 × 0.1 at epochs 2, 5, 8) at the pretraining size, against the "
         "same architecture at torchvision's random initialization with the same seeds. Figures are mean ± sample "
         "std over the seeds; the gain is the mean of the per-seed gains. A row clears the margin when its mean kNN "
@@ -382,29 +444,61 @@ def _chart(runs: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def load_runs(rows_dir: Path) -> dict[str, list[dict]]:
+def read_runs(path: Path) -> list[dict]:
+    """The lines of the runs file (each one measured run), in the order they were measured."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _key(row: dict) -> tuple:
+    return row.get("preset", "small"), row["recipe"], row["seed"], row["config_hash"]
+
+
+def append_run(path: Path, row: dict) -> None:
+    """One line per run, appended (a run measured again with --fresh: its later line wins)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def carry_legacy_rows(work: Path, path: Path, preset: str) -> None:
+    """Rows an older version kept only under ``work/rows/<recipe>/seed<s>.json`` go into the runs
+    file (the one migration place of that layout), unless it has them."""
+    have = {_key(r) for r in read_runs(path)}
+    for legacy in sorted((work / "rows").glob("*/seed*.json")):
+        row = {"preset": preset, **json.loads(legacy.read_text())}
+        if _key(row) not in have:
+            append_run(path, row)
+            have.add(_key(row))
+
+
+def current_runs(rows: list[dict], preset: str, hashes: dict[tuple[str, int], str]) -> dict[str, list[dict]]:
+    """{recipe: its runs sorted by seed}: for each (recipe, seed) of ``hashes`` the last line of this
+    preset measured with that config hash (lines of an older config are not shown)."""
+    latest = {_key(r): r for r in rows}
     runs: dict[str, list[dict]] = {}
-    for path in sorted(rows_dir.glob("*/seed*.json")):
-        runs.setdefault(path.parent.name, []).append(json.loads(path.read_text()))
-    return {recipe: sorted(rs, key=lambda r: r["seed"]) for recipe, rs in runs.items()}
+    for (recipe, seed), h in sorted(hashes.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        row = latest.get((preset, recipe, seed, h))
+        if row is not None:
+            runs.setdefault(recipe, []).append(row)
+    return runs
 
 
 def measure_kept(recipe: str, seed: int, args, data: Path, work: Path) -> None:
-    """Measure (recipe, seed) unless its run is kept: measured with the same config, and no --fresh."""
-    row_file = work / "rows" / recipe / f"seed{seed}.json"
-    stale = False
-    if row_file.is_file() and not args.fresh:
-        measured = json.loads(row_file.read_text()).get("config_hash")
-        current = config_hash(recipe, args.epochs, seed)
-        if measured == current:
-            print(f"{recipe} seed {seed}: measured before ({row_file})")
-            return
-        stale = True  # the recipe changed since: its run directory would resume the old one
-        print(f"{recipe} seed {seed}: config {current} differs from the measured {measured}: measuring again")
+    """Measure (recipe, seed) unless the runs file has it with the current config, and no --fresh."""
+    preset = PRESETS[args.preset]
+    current = config_hash(recipe, args.epochs, seed, preset.overrides)
+    rows = [r for r in read_runs(args.runs) if _key(r)[:3] == (preset.name, recipe, seed)]
+    if not args.fresh and any(r["config_hash"] == current for r in rows):
+        print(f"{recipe} seed {seed}: measured before ({args.runs})")
+        return
+    if rows and not args.fresh:
+        print(f"{recipe} seed {seed}: config {current} differs from the measured {rows[-1]['config_hash']}: measuring")
+    # the run folder holds a run of another config (or --fresh): resuming it would mix them, start clean
+    stale = bool(rows) or args.fresh
     print(f"{recipe} seed {seed}: pretraining {args.epochs} epochs ...", flush=True)
-    row = measure(recipe, args.epochs, seed, data, work, args.fresh or stale)
-    row_file.parent.mkdir(parents=True, exist_ok=True)
-    row_file.write_text(json.dumps(row, indent=1))
+    row = {"preset": preset.name, **measure(recipe, args.epochs, seed, data, work, stale, preset.overrides)}
+    append_run(args.runs, row)
     print(
         f"{recipe} seed {seed}: kNN {row['knn_top1']:.1f} (random {row['random_knn_top1']:.1f}), probe "
         f"{row['linear_top1']:.1f} (random {row['random_linear_top1']:.1f}), {row['seconds'] / 60:.1f} min",
@@ -418,16 +512,27 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS), help="the data (default small)")
     parser.add_argument("--recipes", default=None, help="comma-separated tiny recipes (default: all)")
-    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--epochs", type=int, default=None, help=f"default {EPOCHS}; digits {DIGITS_EPOCHS}")
     parser.add_argument("--seeds", type=int, default=SEEDS, help=f"pretraining seeds per row (default {SEEDS})")
-    parser.add_argument("--data", default="datasets/synthetic", help="synthetic data root (generated if missing)")
-    parser.add_argument("--work", default="outputs/bench_learning", help="runs and measured rows")
-    parser.add_argument("--out", default="benchmarks/learning.md")
+    parser.add_argument("--data", default=None, help="data root, generated if missing (default datasets/synthetic, "
+                        "datasets/digits)")  # fmt: skip
+    parser.add_argument("--work", default="outputs/bench_learning", help="the runs' folders")
+    parser.add_argument("--runs", type=Path, default=RUNS_FILE, help="the measured runs (JSON lines, committed)")
+    parser.add_argument("--out", default=None, help="default benchmarks/learning.md, learning_digits.md")
     parser.add_argument("--fresh", action="store_true", help="measure the rows again")
     args = parser.parse_args(argv)
-    data, work, out = Path(args.data).resolve(), Path(args.work).resolve() / f"{args.epochs}ep", Path(args.out)
-    ensure_small_synthetic(data)
+    preset = PRESETS[args.preset]
+    args.epochs = args.epochs or preset.epochs
+    data, out = Path(args.data or preset.root).resolve(), Path(args.out or preset.out)
+    # the synthetic runs keep their folder of before (its rows are carried into the runs file)
+    work = Path(args.work).resolve() / (
+        f"{args.epochs}ep" if preset.name == "small" else f"{preset.name}_{args.epochs}ep"
+    )
+    ensure_data(data, preset.name)
+    if preset.name == "small":
+        carry_legacy_rows(work, args.runs, preset.name)
     every = tiny_recipes()
     chosen = args.recipes.split(",") if args.recipes else every
     unknown = sorted(set(chosen) - set(every))
@@ -435,11 +540,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --recipes {','.join(unknown)}: expected tiny recipes from {', '.join(every)}")
     # Seed-major: every recipe gets its first seed before any gets its second, so a table stopped
     # midway has a row for each recipe.
+    hashes = {(r, s): config_hash(r, args.epochs, s, preset.overrides) for r in every for s in range(args.seeds)}
+
+    def table() -> None:
+        write_table(current_runs(read_runs(args.runs), preset.name, hashes), every, out, args)
+
     for seed in range(args.seeds):
         for recipe in chosen:
             measure_kept(recipe, seed, args, data, work)
-            write_table(load_runs(work / "rows"), every, out, args)
-    write_table(load_runs(work / "rows"), every, out, args)
+            table()
+    table()
     print(f"wrote {out}")
 
 

@@ -29,6 +29,14 @@ def synthetic_manifest(synthetic_root) -> dict:
     return json.loads((synthetic_root / "manifest.json").read_text())
 
 
+@pytest.fixture(scope="session")
+def digits_root(tmp_path_factory) -> Path:
+    """Root of the real-digits preset (seed 0; about 3 s): scikit-learn's UCI digits in the layouts."""
+    root = tmp_path_factory.mktemp("digits")
+    generate(root, seed=0, preset="digits")
+    return root
+
+
 # The brief pretraining: the tiny SimCLR recipe for a few epochs on the small preset's ImageNet
 # layout (1500 train / 300 val images: the tiny preset's 100 val images make kNN too coarse).
 BRIEF_RECIPE = "configs/pretrain/tiny_simclr.yaml"

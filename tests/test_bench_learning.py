@@ -1,11 +1,13 @@
-"""benchmarks/learning.py without the hours of pretraining: runs already measured are kept (the
-table builds across sessions), --fresh redoes them, and the table lists every tiny recipe, measured
-or not, as mean ± std over its seeds, flagging rows below the 5-point kNN margin and rows whose
-gain is within one standard deviation of it."""
+"""benchmarks/learning.py without the hours of pretraining: runs already measured are kept in the
+runs file (the table builds across sessions and machines, the run folders lost), --fresh redoes
+them, and the table lists every tiny recipe, measured or not, as mean ± std over its seeds, flagging
+rows below the 5-point kNN margin and rows whose gain is within one standard deviation of it; the
+digits table is written beside the synthetic one from its own rows."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -39,14 +41,14 @@ def test_rows_are_kept_unless_fresh_and_the_table_lists_every_recipe(tmp_path, m
     (data / "manifest.json").write_text("{}")
     calls = []
 
-    def fake_measure(recipe, epochs, seed, data_root, work, fresh=False):
+    def fake_measure(recipe, epochs, seed, data_root, work, fresh=False, extra=()):
         calls.append((recipe, seed))
         # simclr gains 16.3 ± 1 (clear), mocov1 loses 23.7 ± 1, and dcl gains 5.3 ± 3 (within spread).
         knn = {"tiny_simclr": 65.0, "tiny_mocov1": 25.0, "tiny_dcl": 52.0}[recipe] + 2 * seed
         return _row(recipe, knn + (3 * seed if recipe == "tiny_dcl" else 0), seed)
 
     monkeypatch.setattr(learning, "measure", fake_measure)
-    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0: "abc")
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0, extra=(): "abc")
     out = tmp_path / "learning.md"
     argv = [
         "--recipes",
@@ -57,6 +59,8 @@ def test_rows_are_kept_unless_fresh_and_the_table_lists_every_recipe(tmp_path, m
         str(tmp_path / "work"),
         "--out",
         str(out),
+        "--runs",
+        str(tmp_path / "runs.jsonl"),
     ]
     learning.main([*argv, "--seeds", "2"])
     learning.main([*argv, "--seeds", "2"])  # every run measured: nothing is redone
@@ -87,7 +91,9 @@ def test_unknown_recipe_is_one_line(tmp_path):
     data.mkdir()
     (data / "manifest.json").write_text("{}")
     with pytest.raises(SystemExit, match="--recipes tiny_byol: expected tiny recipes"):
-        learning.main(["--recipes", "tiny_byol", "--data", str(data), "--work", str(tmp_path)])
+        learning.main(
+            ["--recipes", "tiny_byol", "--data", str(data), "--work", str(tmp_path), "--runs", str(tmp_path / "r")]
+        )
 
 
 def test_a_row_whose_recipe_changed_is_measured_again_from_a_clean_run(tmp_path, monkeypatch):
@@ -96,10 +102,14 @@ def test_a_row_whose_recipe_changed_is_measured_again_from_a_clean_run(tmp_path,
     (data / "manifest.json").write_text("{}")
     calls = []
     monkeypatch.setattr(
-        learning, "measure", lambda recipe, epochs, seed, d, w, fresh=False: calls.append(fresh) or _row(recipe, 66.0)
+        learning,
+        "measure",
+        lambda recipe, epochs, seed, d, w, fresh=False, extra=(): (
+            calls.append(fresh) or {**_row(recipe, 66.0), "config_hash": recipe_now["hash"]}
+        ),
     )
-    hashes = iter(["abc", "edited"])
-    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0: next(hashes))
+    recipe_now = {"hash": "abc"}
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0, extra=(): recipe_now["hash"])
     argv = [
         "--recipes",
         "tiny_simclr",
@@ -111,9 +121,12 @@ def test_a_row_whose_recipe_changed_is_measured_again_from_a_clean_run(tmp_path,
         str(tmp_path / "t.md"),
         "--seeds",
         "1",
+        "--runs",
+        str(tmp_path / "runs.jsonl"),
     ]
     learning.main(argv)  # measured (row hash "abc")
     learning.main(argv)  # current hash "abc": kept
+    recipe_now["hash"] = "edited"
     learning.main(argv)  # current hash "edited": measured again, fresh
     assert calls == [False, True]
 
@@ -158,3 +171,75 @@ def test_rows_of_a_recipe_no_longer_listed_stay_out_of_the_summary(tmp_path):
     learning.write_table(runs, ["tiny_simclr"], out, args)
     text = out.read_text()
     assert "1 of 1 measured rows clear the 5-point kNN margin" in text and "tiny_deleted" not in text
+
+
+def test_runs_carry_over_to_another_machine_and_the_digits_table_is_written_beside(tmp_path, monkeypatch):
+    """The run folders (--work) lost, as on another machine: the runs file alone keeps every measured
+    run. The digits runs take the digits overrides, go to their own table, and leave the synthetic
+    table's rows alone."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    calls = []
+
+    def fake_measure(recipe, epochs, seed, data_root, work, fresh=False, extra=()):
+        calls.append((recipe, seed, epochs, extra))
+        return _row(recipe, {(): 60.0}.get(extra, 90.0) + seed, seed)
+
+    monkeypatch.setattr(learning, "measure", fake_measure)
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0, extra=(): "abc")
+    runs, synthetic, digits = tmp_path / "runs.jsonl", tmp_path / "learning.md", tmp_path / "learning_digits.md"
+    common = ["--recipes", "tiny_simclr", "--data", str(data), "--runs", str(runs), "--seeds", "2"]
+    learning.main([*common, "--work", str(tmp_path / "machine1"), "--out", str(synthetic)])
+    before = synthetic.read_text()
+    learning.main([*common, "--work", str(tmp_path / "machine2"), "--out", str(synthetic)])  # nothing redone
+    assert calls == [("tiny_simclr", 0, 6, ()), ("tiny_simclr", 1, 6, ())] and synthetic.read_text() == before
+    learning.main([*common, "--preset", "digits", "--work", str(tmp_path / "machine2"), "--out", str(digits)])
+    overrides = learning.PRESETS["digits"].overrides
+    assert "data.augmentation=digits" in overrides
+    assert calls[2:] == [("tiny_simclr", s, learning.DIGITS_EPOCHS, overrides) for s in (0, 1)]
+    lines = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert [(r["preset"], r["seed"], r["knn_top1"]) for r in lines] == [
+        ("small", 0, 60.0), ("small", 1, 61.0), ("digits", 0, 90.0), ("digits", 1, 91.0)
+    ]  # fmt: skip
+    # kNN 60, 61 vs 49.7: gain +10.8 ± 0.7; digits 90, 91: +40.8 ± 0.7
+    assert "| tiny_simclr | simclr | 0, 1 | 60.5 ± 0.7 | 49.7 ± 0.0 | +10.8 ± 0.7 | ✓ |" in synthetic.read_text()
+    table = digits.read_text()
+    assert table.startswith("# Does every method learn? Tiny recipes on the real handwritten digits")
+    assert "| tiny_simclr | simclr | 0, 1 | 90.5 ± 0.7 | 49.7 ± 0.0 | +40.8 ± 0.7 | ✓ |" in table
+    assert f"--preset digits --epochs {learning.DIGITS_EPOCHS} --seeds 2" in table
+    learning.main([*common, "--work", str(tmp_path / "machine3"), "--out", str(synthetic)])
+    assert synthetic.read_text() == before and len(calls) == 4  # the digits lines left the synthetic table alone
+
+
+def test_the_table_shows_each_runs_latest_line_of_the_current_config():
+    rows = [
+        {**_row("tiny_simclr", 50.0), "preset": "small", "config_hash": "old"},  # the recipe before an edit
+        {**_row("tiny_simclr", 60.0), "preset": "small"},
+        {**_row("tiny_simclr", 62.0), "preset": "small"},  # measured again with --fresh: this one counts
+        {**_row("tiny_simclr", 90.0), "preset": "digits"},
+        {**_row("tiny_dcl", 55.0, seed=1), "preset": "small"},
+    ]
+    hashes = {("tiny_simclr", 0): "abc", ("tiny_dcl", 0): "abc", ("tiny_dcl", 1): "abc"}
+    runs = learning.current_runs(rows, "small", hashes)
+    assert runs == {"tiny_simclr": [rows[2]], "tiny_dcl": [rows[4]]}
+    assert learning.current_runs(rows, "small", {("tiny_simclr", 0): "old"}) == {"tiny_simclr": [rows[0]]}
+
+
+def test_rows_kept_only_in_the_old_run_folders_are_carried_into_the_runs_file(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    legacy = tmp_path / "work" / "6ep" / "rows" / "tiny_simclr" / "seed0.json"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text(json.dumps(_row("tiny_simclr", 64.0)))
+    monkeypatch.setattr(learning, "measure", lambda *a, **k: pytest.fail("a run kept in the old layout was redone"))
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0, extra=(): "abc")
+    runs = tmp_path / "runs.jsonl"
+    argv = ["--recipes", "tiny_simclr", "--seeds", "1", "--data", str(data), "--work", str(tmp_path / "work")]
+    learning.main([*argv, "--runs", str(runs), "--out", str(tmp_path / "t.md")])
+    learning.main([*argv, "--runs", str(runs), "--out", str(tmp_path / "t.md")])  # carried once
+    assert [json.loads(line) for line in runs.read_text().splitlines()] == [
+        {"preset": "small", **_row("tiny_simclr", 64.0)}
+    ]
+    assert "| tiny_simclr | simclr | 0 | 64.0 |" in (tmp_path / "t.md").read_text()

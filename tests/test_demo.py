@@ -133,3 +133,49 @@ def test_the_recipe_must_be_a_tiny_one(tmp_path, capsys):
     line = capsys.readouterr().out.strip()
     assert line.startswith("error: RECIPE=simclr: expected a tiny recipe") and "tiny_mocov2" in line
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_digits_demo_plans_the_digits_data_their_budget_and_folders(tmp_path, monkeypatch):
+    """`make demo DATA=digits`: the real digits generated into datasets/digits, the recipe pretrained
+    at 32 px with the digits augmentation for the learning table's digits budget, kNN and the probe
+    at 32 px, the demo in outputs/demo_digits (beside the synthetic one)."""
+    from benchmarks.learning import DIGITS_EPOCHS
+
+    demo = _demo_module()
+    planned = []
+    monkeypatch.setattr(
+        demo, "run_stages", lambda stages, logs, env, fresh=False: planned.extend(stages) or demo.Outcome()
+    )
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--preset", "digits"]) == 0
+    stages = {s.name: s for s in planned}
+    data, out = tmp_path / "datasets" / "digits", tmp_path / "outputs" / "demo_digits"
+    assert stages["data"].command[2:] == [
+        "contrastive_transfer.synthetic",
+        "--out",
+        str(data),
+        "--preset",
+        "digits",
+        "--seed",
+        "0",
+    ]
+    pretrain = stages["pretrain"].command
+    assert f"data.root={data / 'imagenet' / 'train'}" in pretrain and f"train.epochs={DIGITS_EPOCHS}" in pretrain
+    assert pretrain[-2:] == ["data.augmentation=digits", "data.image_size=32"]
+    for name in ("pretrained-knn", "random-linear"):
+        command = stages[name].command
+        assert command[command.index("--resize") + 1 : command.index("--crop") + 2] == ["37", "--crop", "32"]
+    assert json.loads((out / "demo.json").read_text())["data"] == str(data)
+    assert (out / "report.md").read_text().startswith("# Demo report: tiny_simclr on the real handwritten digits")
+
+
+def test_make_demo_data_digits_runs_the_digits_preset():
+    """DATA names the data (synthetic, digits) or is a folder, as before."""
+
+    def demo_line(*variables):
+        res = subprocess.run(["make", "-n", "demo", *variables], cwd=DEMO.parents[1], capture_output=True, text=True)
+        return next(line for line in res.stdout.splitlines() if "tools/demo.py" in line)
+
+    assert "tools/demo.py --data datasets/digits --preset digits " in demo_line("DATA=digits")
+    assert "tools/demo.py --data datasets/synthetic --preset small " in demo_line()
+    assert "tools/demo.py --data some/folder --preset tiny " in demo_line("DATA=some/folder", "PRESET=tiny")

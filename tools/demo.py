@@ -1,8 +1,9 @@
 """The whole pipeline on generated data, CPU only: what `make demo` runs.
 
-    python tools/demo.py [--data DIR] [--preset small|tiny] [--recipe tiny_simclr] [--out outputs/demo]
+    python tools/demo.py [--data DIR] [--preset small|tiny|digits] [--recipe tiny_simclr] [--out outputs/demo]
 
-1. synthetic datasets in the real layouts (skipped when already there);
+1. the datasets in the real layouts (skipped when already there): the synthetic shapes, or with
+   ``--preset digits`` scikit-learn's real handwritten digits (``datasets/digits`` by default);
 2. pretraining with ``accelerate launch -m pretrain`` on the tiny ``--recipe``;
 3. a random-init backbone of the same architecture, the baseline of every row;
 4. for both backbones: weighted kNN, VOC07 linear SVM, the ``bn`` linear probe, and FPN
@@ -30,7 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from benchmarks.learning import DIGITS_EPOCHS  # the learning table's digits budget, the demo's too
+from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
+
 ROOT = Path(__file__).resolve().parents[1]
+
 BACKBONES = ("pretrained", "random")
 # What the detection rows can and cannot say at the demo's budget: the AP50 figures behind the
 # frozen backbone and the 600 iterations (2026-11-25, small preset, AMD EPYC, 2 cores).
@@ -46,6 +51,14 @@ DETECTION_NOTE = (
     "1200; `python -m benchmarks.transfer --curve`): at this scale a random backbone learns the shapes' "
     "outlines quickly, so the frozen backbone is what shows the features' gain."
 )
+# The digits' detection rows: what the VOC evaluator averages over.
+DIGITS_NOTE = (
+    "Detection: the FPN and heads fine-tuned for {iters} iterations on the backbone's frozen features "
+    "(`configs/detection/tiny_voc0712_R_18_FPN_frozen.yaml`) on canvases of train-split digits, tested on "
+    "canvases of val-split digits. The digits 0-9 carry the VOC class names of indices 0-9, and the VOC "
+    "evaluator averages AP over all 20 VOC classes: the 10 without objects score 0, so each AP figure is "
+    "half the mean over the 10 digits (the difference between backbones is halved the same way)."
+)
 # The backbone frozen, the FPN and heads trained: what the features give detection within the demo's
 # budget. With the whole network trained (the paper's protocol), random init catches up with a
 # briefly pretrained backbone by about 1,200 iterations (DETECTION_NOTE).
@@ -55,13 +68,17 @@ DETECTION_CONFIG = ROOT / "configs" / "detection" / "tiny_voc0712_R_18_FPN_froze
 @dataclass(frozen=True)
 class Budget:
     """What one demo preset spends (the synthetic images are 64-224 px, so the protocols run at
-    reduced sizes; the preprocessing is recorded in each metrics.json)."""
+    reduced sizes; the preprocessing is recorded in each metrics.json). ``pretrain``: recipe
+    overrides of the data preset; ``classify_size``: (resize, crop) of kNN and the probe."""
 
     pretrain_epochs: int
     probe_epochs: int
     detection_iters: int
     detection_seeds: int
     svm: tuple[str, ...] = ()
+    pretrain: tuple[str, ...] = ()
+    classify_size: tuple[int, int] = (73, 64)
+    data_name: str = "the synthetic `{preset}` data"
 
 
 BUDGETS = {
@@ -71,7 +88,22 @@ BUDGETS = {
     "small": Budget(pretrain_epochs=6, probe_epochs=10, detection_iters=600, detection_seeds=2),
     # A smoke run of every stage (the test suite's): one pretraining epoch, three SVM costs.
     "tiny": Budget(1, 2, 20, 2, svm=("--costs", "0.1,1,10")),
+    # The real digits (40-px images, the digit placed at random): the digits augmentation at 32 px,
+    # the learning table's digits budget (benchmarks/learning.py, DIGITS_EPOCHS).
+    "digits": Budget(
+        pretrain_epochs=DIGITS_EPOCHS,
+        probe_epochs=10,
+        detection_iters=600,
+        detection_seeds=2,
+        pretrain=PRETRAIN_OVERRIDES,
+        classify_size=(37, 32),
+        data_name="the real handwritten digits (scikit-learn's UCI copy)",
+    ),
 }
+# Where a preset's data and demo go by default (others: datasets/synthetic, outputs/demo): the
+# digits demo beside the synthetic one, so that neither refuses the other's folder.
+DEFAULT_DATA = {"digits": Path("datasets/digits")}
+DEFAULT_OUT = {"digits": Path("outputs/demo_digits")}
 
 
 @dataclass(frozen=True)
@@ -198,13 +230,14 @@ def evaluation_stages(name: str, weights: Path, needs: tuple[str, ...], paths: d
     """kNN, VOC07 SVM, linear probe, conversion and detection of one backbone."""
     py, d, data, imagenet = sys.executable, paths["out"] / name, paths["data"], paths["data"] / "imagenet"
     weights_arg = ["--weights", str(weights)]
+    resize, crop = (str(v) for v in budget.classify_size)
     pkl = d / "detectron2.pkl"
     detect, seeds = _py_detection(pkl, data, budget), budget.detection_seeds
     # fmt: off
     return [
         Stage(f"{name}-knn", d / "knn" / "metrics.json", [
             py, "-m", "transfer.knn", *weights_arg, "--train-dir", str(imagenet / "train"),
-            "--val-dir", str(imagenet / "val"), "--k", "20", "--t", "0.07", "--resize", "73", "--crop", "64",
+            "--val-dir", str(imagenet / "val"), "--k", "20", "--t", "0.07", "--resize", resize, "--crop", crop,
             "--output-dir", str(d / "knn"),
         ], needs),
         Stage(f"{name}-voc07-svm", d / "voc07_svm" / "metrics.json", [
@@ -215,7 +248,7 @@ def evaluation_stages(name: str, weights: Path, needs: tuple[str, ...], paths: d
         # scale (the moco preset's lr 30 on raw features diverges on some of these backbones).
         Stage(f"{name}-linear", d / "linear" / "metrics.json", [
             py, "-m", "transfer.linear", *weights_arg, "--dataset", "imagenet", "--data-root", str(imagenet),
-            "--preset", "bn", "--epochs", str(budget.probe_epochs), "--resize", "73", "--crop", "64",
+            "--preset", "bn", "--epochs", str(budget.probe_epochs), "--resize", resize, "--crop", crop,
             "--output-dir", str(d / "linear"),
         ], needs),
         Stage(f"{name}-convert", pkl, [py, "-m", "converters.to_detectron2", str(weights), str(pkl)], needs),
@@ -249,7 +282,7 @@ def plan(args, budget: Budget) -> list[Stage]:
             "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "pretrain", "--config", str(recipe),
             f"data.root={imagenet / 'train'}", f"train.output_dir={pretrain_dir}", f"train.seed={args.seed}",
             f"knn.train_dir={imagenet / 'train'}", f"knn.val_dir={imagenet / 'val'}",
-            f"train.epochs={budget.pretrain_epochs}",
+            f"train.epochs={budget.pretrain_epochs}", *budget.pretrain,
         ], ("data",)),
         Stage("random-init", random_ckpt, lambda: random_init_checkpoint(arch, random_ckpt, args.seed)),
         *evaluation_stages("pretrained", final, ("pretrain",), paths, budget),
@@ -329,7 +362,7 @@ def svm_chance(out: Path) -> str:
 
 def budgets(budget: Budget, seed: int, chance: str = "") -> dict[str, str]:
     return {
-        "kNN top-1 (%)": "k 20, τ 0.07, 64 px center crop; deterministic",
+        "kNN top-1 (%)": f"k 20, τ 0.07, {budget.classify_size[1]} px center crop; deterministic",
         "VOC07 SVM mAP (%)": f"res5avg, 128 px; deterministic{chance}",
         "linear probe top-1 (%)": f"bn preset, {budget.probe_epochs} epochs, seed {seed}",
         "FPN AP50 on VOC07 test": f"backbone frozen, {budget.detection_iters} iterations × 2 images, mean ± "
@@ -354,7 +387,7 @@ def pretrain_summary(pretrain_dir: Path) -> str:
     return text + (f", kNN monitor top-1 by epoch: {', '.join(f'{v:.1f}' for v in knn)}" if knn else "")
 
 
-def comparison_plot(rows: dict, path: Path) -> None:
+def comparison_plot(rows: dict, path: Path, data_name: str = "synthetic data") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -375,7 +408,7 @@ def comparison_plot(rows: dict, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("score (error bars: std over fine-tune seeds)")
     ax.set_xlim(0, 1.25 * max(rows[n][b].mean for n in names for b in BACKBONES))
-    ax.set_title("Pretrained vs random-init backbone\n(synthetic data, CPU)")
+    ax.set_title(f"Pretrained vs random-init backbone\n({data_name}, CPU)")
     ax.legend(loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -388,10 +421,11 @@ def write_report(args, budget: Budget, failed: dict[str, str]) -> Path:
     out = args.out
     rows = collect(out)
     plots = [out / "plots" / "pretrained_vs_random.png", out / "plots" / "curves.png"]
-    comparison_plot(rows, plots[0])
+    data_name = budget.data_name.format(preset=args.preset)
+    comparison_plot(rows, plots[0], "real digits" if args.preset == "digits" else "synthetic data")
     spent = budgets(budget, args.seed, svm_chance(out))
     lines = [
-        f"# Demo report: {args.recipe} on the synthetic `{args.preset}` data (CPU)",
+        f"# Demo report: {args.recipe} on {data_name} (CPU)",
         "",
         f"Pretraining: `configs/pretrain/{args.recipe}.yaml`, seed {args.seed}, {pretrain_summary(out / 'pretrain')}.",
         "",
@@ -401,7 +435,7 @@ def write_report(args, budget: Budget, failed: dict[str, str]) -> Path:
     for name, vals in rows.items():
         p, r = vals["pretrained"], vals["random"]
         lines.append(f"| {name} | {p or '—'} | {r or '—'} | {gain_line(p, r)} | {spent[name]} |")
-    lines += ["", DETECTION_NOTE.format(iters=budget.detection_iters), ""]
+    lines += ["", (DIGITS_NOTE if args.preset == "digits" else DETECTION_NOTE).format(iters=budget.detection_iters), ""]
     if failed:
         lines += ["## Failed stages", ""] + [f"- `{name}`: {why}" for name, why in failed.items()] + [""]
     lines += [
@@ -435,11 +469,19 @@ def claim_output(args) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=Path("datasets/synthetic"))
+    parser.add_argument(
+        "--data", type=Path, default=None, help="data folder (default datasets/synthetic; datasets/digits for digits)"
+    )
     parser.add_argument("--preset", default="small", choices=sorted(BUDGETS), help="data preset (and its budget)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recipe", default="tiny_simclr", help="a tiny recipe: configs/pretrain/<recipe>.yaml")
-    parser.add_argument("--out", "--output-dir", type=Path, default=Path("outputs/demo"), help="output folder")
+    parser.add_argument(
+        "--out",
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="output folder (default outputs/demo, outputs/demo_digits)",
+    )
     parser.add_argument("--fresh", action="store_true", help="redo every stage")
     args = parser.parse_args(argv)
 
@@ -448,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         names = sorted(p.stem for p in recipe.parent.glob("tiny_*.yaml"))
         print(f"error: RECIPE={args.recipe}: expected a tiny recipe of configs/pretrain: {', '.join(names)}")
         return 2
+    args.data = args.data or DEFAULT_DATA.get(args.preset, Path("datasets/synthetic"))
+    args.out = args.out or DEFAULT_OUT.get(args.preset, Path("outputs/demo"))
     args.data, args.out = args.data.resolve(), args.out.resolve()
     if args.fresh and args.out.exists():
         shutil.rmtree(args.out)

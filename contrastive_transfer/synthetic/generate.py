@@ -1,6 +1,6 @@
 """Synthetic datasets in the real on-disk layouts, deterministic for a seed.
 
-    python -m contrastive_transfer.synthetic --out DIR [--seed S] [--preset tiny|small|voc07]
+    python -m contrastive_transfer.synthetic --out DIR [--seed S] [--preset tiny|small|voc07|digits]
 
 writes, under DIR:
 
@@ -17,7 +17,8 @@ writes, under DIR:
 Detection class i (VOC order, and its COCO counterpart) is drawn as ``SHAPES[i]``; ImageNet class i
 is the same shape, so pretraining on ``imagenet`` transfers to the detection sets as it should.
 Images are seeded per (seed, dataset, split, index), so the bytes do not depend on the number of
-worker processes.
+worker processes. ``--preset digits`` writes real images instead: scikit-learn's bundled UCI
+handwritten digits in the ImageNet and VOC layouts (``digits.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import json
 import os
 import shutil
 import sys
-import xml.etree.ElementTree as ET
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,31 +44,10 @@ from contrastive_transfer.synthetic.shapes import (
     place,
     scene,
 )
+from contrastive_transfer.synthetic.voc import VOC_CLASSES, voc_xml
 
 FORMAT_VERSION = 3  # bump whenever the images change, so old outputs are regenerated
 
-VOC_CLASSES = (
-    "aeroplane",
-    "bicycle",
-    "bird",
-    "boat",
-    "bottle",
-    "bus",
-    "car",
-    "cat",
-    "chair",
-    "cow",
-    "diningtable",
-    "dog",
-    "horse",
-    "motorbike",
-    "person",
-    "pottedplant",
-    "sheep",
-    "sofa",
-    "train",
-    "tvmonitor",
-)
 # The 80 COCO 2017 detection categories with their official ids (1..90, with gaps).
 COCO_CATEGORIES = (
     (1, "person"),
@@ -317,30 +296,6 @@ def write_imagenet(root: Path, preset: Preset, seed: int, workers: int) -> dict:
     return summary
 
 
-def _voc_xml(folder: str, image_id: str, ann: dict) -> bytes:
-    root = ET.Element("annotation")
-    ET.SubElement(root, "folder").text = folder
-    ET.SubElement(root, "filename").text = f"{image_id}.jpg"
-    source = ET.SubElement(root, "source")
-    ET.SubElement(source, "database").text = "synthetic shapes (contrastive_transfer.synthetic)"
-    size = ET.SubElement(root, "size")
-    for tag, value in (("width", ann["width"]), ("height", ann["height"]), ("depth", 3)):
-        ET.SubElement(size, tag).text = str(value)
-    ET.SubElement(root, "segmented").text = "0"
-    for obj in ann["objects"]:
-        node = ET.SubElement(root, "object")
-        ET.SubElement(node, "name").text = VOC_CLASSES[obj["class"]]
-        ET.SubElement(node, "pose").text = "Unspecified"
-        ET.SubElement(node, "truncated").text = str(obj["truncated"])
-        ET.SubElement(node, "difficult").text = str(obj["difficult"])
-        box = ET.SubElement(node, "bndbox")
-        x0, y0, x1, y1 = obj["box"]
-        for tag, value in zip(("xmin", "ymin", "xmax", "ymax"), (x0 + 1, y0 + 1, x1 + 1, y1 + 1)):
-            ET.SubElement(box, tag).text = str(value)  # VOC boxes are 1-based and inclusive
-    ET.indent(root)
-    return ET.tostring(root, encoding="utf-8")
-
-
 def voc_image_labels(objects: list[dict]) -> dict[str, int]:
     """VOC classification labels of one image: 1 present, 0 present only as difficult, -1 absent."""
     labels = {c: -1 for c in VOC_CLASSES}
@@ -377,7 +332,7 @@ def write_voc(root: Path, year: int, splits: dict[str, int], preset: Preset, see
             for i, image_id in enumerate(ids)
         ]
         for image_id, ann in zip(ids, _render_all(jobs, f"{root.name}/{split}", workers)):
-            (root / "Annotations" / f"{image_id}.xml").write_bytes(_voc_xml(root.name, image_id, ann))
+            (root / "Annotations" / f"{image_id}.xml").write_bytes(voc_xml(root.name, image_id, ann))
             anns[image_id] = ann
         ids_of[split] = ids
         if split == "trainval" and "test" in splits:
@@ -477,16 +432,13 @@ def write_places205(root: Path, preset: Preset, seed: int, workers: int) -> dict
 
 
 # ----------------------------------------------------------------------------------- main
-def generate(
-    out: str | os.PathLike, seed: int = 0, preset: str = "tiny", workers: int = 1, force: bool = False
-) -> dict:
-    """Write every dataset under `out` and return the manifest. Re-running with the same seed and
-    preset on a complete output does nothing; a different seed/preset replaces what this
-    generator wrote before; folders it did not write are never deleted without `force`."""
-    if preset not in PRESETS:
-        raise ValueError(f"--preset {preset!r}: expected one of {sorted(PRESETS)}")
-    out = Path(out)
-    config = {"format_version": FORMAT_VERSION, "seed": seed, "preset": preset, **asdict(PRESETS[preset])}
+PRESET_NAMES = (*PRESETS, "digits")  # digits: the real UCI digits of scikit-learn (digits.py)
+
+
+def _claim(out: Path, config: dict, force: bool) -> dict | None:
+    """The manifest already at ``out`` when it was written with ``config`` (nothing to do); else
+    None after removing what this generator wrote before. Folders it did not write (no manifest)
+    are refused without ``force``."""
     manifest_path = out / "manifest.json"
     previous = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
     if previous is not None and previous.get("config") == json.loads(json.dumps(config)):
@@ -500,7 +452,37 @@ def generate(
     for d in existing:
         shutil.rmtree(out / d)
     manifest_path.unlink(missing_ok=True)
+    return None
 
+
+def _write_manifest(out: Path, manifest: dict) -> dict:
+    manifest_path = out / "manifest.json"
+    tmp = manifest_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    tmp.replace(manifest_path)  # last: its presence means the datasets are complete
+    return manifest
+
+
+def generate(
+    out: str | os.PathLike, seed: int = 0, preset: str = "tiny", workers: int = 1, force: bool = False
+) -> dict:
+    """Write every dataset under `out` and return the manifest. Re-running with the same seed and
+    preset on a complete output does nothing; a different seed/preset replaces what this
+    generator wrote before; folders it did not write are never deleted without `force`.
+    ``preset="digits"`` writes the real digits (``digits.py``) instead of the drawn shapes."""
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"--preset {preset!r}: expected one of {sorted(PRESET_NAMES)}")
+    out = Path(out)
+    if preset == "digits":
+        from contrastive_transfer.synthetic import digits
+
+        config = {"format_version": FORMAT_VERSION, **digits.config(seed)}
+        previous = _claim(out, config, force)
+        return previous or _write_manifest(out, {"config": config, **digits.write_digits(out, seed)})
+    config = {"format_version": FORMAT_VERSION, "seed": seed, "preset": preset, **asdict(PRESETS[preset])}
+    previous = _claim(out, config, force)
+    if previous is not None:
+        return previous
     p = PRESETS[preset]
     manifest = {"config": config}
     manifest["imagenet"] = write_imagenet(out / "imagenet", p, seed, workers)
@@ -510,10 +492,7 @@ def generate(
     manifest["VOC2012"] = write_voc(out / "VOC2012", 2012, {"trainval": p.voc12_trainval}, p, seed, workers)
     manifest["coco"] = write_coco(out / "coco", p, seed, workers)
     manifest["places205"] = write_places205(out / "places205", p, seed, workers)
-    tmp = manifest_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    tmp.replace(manifest_path)  # last: its presence means the datasets are complete
-    return manifest
+    return _write_manifest(out, manifest)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -524,7 +503,12 @@ def main(argv: list[str] | None = None) -> None:
         "--out", "--output-dir", required=True, help="output root (becomes DETECTRON2_DATASETS-style root)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        choices=sorted(PRESET_NAMES),
+        help="tiny, small, voc07: drawn shapes; digits: scikit-learn's real handwritten digits, no download",
+    )
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--force", action="store_true", help="overwrite dataset folders not written by this tool")
     args = parser.parse_args(argv)
@@ -534,15 +518,20 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     out = Path(args.out).resolve()
     voc07 = m["VOC2007"]["splits"]
-    print(f"synthetic datasets (preset {args.preset}, seed {args.seed}) in {out}")
+    if args.preset == "digits":
+        print(f"UCI handwritten digits (scikit-learn's copy, seed {args.seed}) in {out}")
+    else:
+        print(f"synthetic datasets (preset {args.preset}, seed {args.seed}) in {out}")
     print(
         f"  imagenet   {out / 'imagenet'}: {m['imagenet']['train']['images']} train / "
-        f"{m['imagenet']['val']['images']} val images, {len(IMAGENET_CLASSES)} classes"
+        f"{m['imagenet']['val']['images']} val images, {len(m['imagenet']['classes'])} classes"
     )
     print(
         f"  VOC2007    {out / 'VOC2007'}: {len(voc07['trainval']['ids'])} trainval / {len(voc07['test']['ids'])} test"
     )
     print(f"  VOC2012    {out / 'VOC2012'}: {len(m['VOC2012']['splits']['trainval']['ids'])} trainval")
+    if args.preset == "digits":
+        return
     print(
         f"  coco       {out / 'coco'}: {m['coco']['train2017']['images']} train2017 / "
         f"{m['coco']['val2017']['images']} val2017 images"

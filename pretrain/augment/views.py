@@ -1,7 +1,7 @@
 """Augmentation as data: each view is an ordered mapping ``op name → parameters`` in the config.
 
     data:
-      augmentation: mocov2        # a preset of configs/augment/ (mocov1, mocov2, simclr, byol)
+      augmentation: mocov2        # a preset of configs/augment/ (mocov1, mocov2, simclr, byol, supervised, digits)
       views: null                 # null: the preset's views; a list replaces them;
                                   # a mapping edits them: {0: {jitter: {p: 0.5}, hflip: null}}
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pretrain.augment.pipeline import ViewTransform
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "augment"
-PRESETS = ("mocov1", "mocov2", "simclr", "byol", "supervised")
+PRESETS = ("mocov1", "mocov2", "simclr", "byol", "supervised", "digits")
 SIGMA = (0.1, 2.0)  # blur σ range of MoCo v2 / SimCLR / BYOL (the presets); not scaled with image size
 ALIASES = {"aug+": "mocov2", "aug_plus": "mocov2", "moco_v1": "mocov1", "moco_v2": "mocov2"}
 INTERPOLATIONS = {
