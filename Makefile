@@ -14,7 +14,7 @@ DATA_DIR := $(if $(filter synthetic digits,$(DATA)),datasets/$(if $(filter digit
 SEED ?= 0
 RECIPE ?= tiny_simclr
 
-.PHONY: setup demo test test-fast test-capabilities lint clean-data
+.PHONY: setup demo test test-fast test-sweep test-capabilities lint clean-data
 
 setup: $(STAMP)
 
@@ -31,11 +31,16 @@ demo: setup
 
 # One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores.
 test: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not sweep"
 
 # The suite without the tests marked `slow` (brief pretraining, detection training, the demo).
 test-fast: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow"
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow and not sweep"
+
+# Every hostile mutant through every command line that reads its kind (tests/test_hostile_files.py);
+# `make test` runs a seeded sample of them (HOSTILE_SEED, HOSTILE_SAMPLE choose it).
+test-sweep: setup
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m sweep -q
 
 # The fast suite with PyTorch's other CPU kernels (ATEN_CPU_CAPABILITY): what another x86 CPU would
 # run. CI runs CAPABILITIES=default after `make test`; `make test-capabilities` alone runs all three.
@@ -43,7 +48,7 @@ CAPABILITIES ?= default avx2 avx512
 test-capabilities: setup
 	@for c in $(CAPABILITIES); do \
 	  echo "==> ATEN_CPU_CAPABILITY=$$c"; \
-	  ATEN_CPU_CAPABILITY=$$c OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow" -q || exit 1; \
+	  ATEN_CPU_CAPABILITY=$$c OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow and not sweep" -q || exit 1; \
 	done
 
 # ruff (lint, import order, format) on the whole tree, mypy on the converters, the losses and the CLI helpers.

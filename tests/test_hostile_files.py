@@ -13,7 +13,8 @@ memory cap (RLIMIT_DATA, see MEMORY_CAP) and a time cap. Each must end with:
   and no code run (the payload's marker file absent).
 
 A default run takes SAMPLE (entry point, mutant) pairs drawn with HOSTILE_SEED (set it to draw
-others); the whole sweep is marked slow. The controls show each attack live without the gate.
+others); the whole sweep is marked slow and sweep (`make test-sweep`). The controls show each
+attack live without the gate.
 """
 
 from __future__ import annotations
@@ -360,6 +361,7 @@ def test_a_sample_of_mutants_through_the_command_lines(case, tmp_path, synthetic
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_every_mutant_through_every_command_line(case, tmp_path, synthetic_root, valid_weights):
     if case[0].slow_start:
