@@ -170,6 +170,7 @@ def bench_workers(root: Path, runs: int) -> list[tuple[str, float]]:
 def bench_device(root: Path, runs: int, device: torch.device) -> list[tuple[str, float, float]]:
     """``data.backend: device``, MoCo v2 at 224 px, batches of 32: the workers' share (read, JPEG
     header, draws) and the device's (batched decode, crops, colour, normalisation), each alone."""
+    from pretrain.augment.on_device import JPEG_DECODER, jpeg_decoders
     from pretrain.data import finish_views
 
     views = build_view_transforms("mocov2", 224)
@@ -182,6 +183,18 @@ def bench_device(root: Path, runs: int, device: torch.device) -> list[tuple[str,
             finish_views(batch[0], views, device)
         sync()
 
+    def decode_only(decode):  # the batched decode alone, with each decoder available here
+        def run():
+            for batch in batches:
+                decode([d for d in batch[0].data if d.dim() == 1], device)
+            sync()
+
+        return run
+
+    decoders = [
+        (f"batched JPEG decode alone on {device}: {name}", decode_only(decode), len(ds))
+        for name, decode in jpeg_decoders().items()
+    ]
     return interleaved(
         [
             (
@@ -189,7 +202,8 @@ def bench_device(root: Path, runs: int, device: torch.device) -> list[tuple[str,
                 lambda: ds.__getitems__(list(range(len(ds)))),
                 len(ds),
             ),
-            (f"mocov2 224 px, `data.backend: device`: decode + views on {device}", on_device, len(ds)),
+            (f"mocov2 224 px, `data.backend: device`: decode + views on {device} ({JPEG_DECODER})", on_device, len(ds)),
+            *decoders,
         ],
         runs,
     )

@@ -44,7 +44,7 @@ def test_grid_rows_resume_and_both_tables_share_the_file(tmp_path, monkeypatch):
     assert "| 256 | 56.5 ± 0.7 (n 2: 56.0, 57.0) | 56.5 ± 0.7 (n 2: 56.0, 57.0) | - |" in text
     # The learning table, rewritten, keeps the EqCo section.
     monkeypatch.setattr(learning, "measure", lambda recipe, epochs, seed, *a, **kw: _row(recipe, 66.0, seed))
-    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0: "abc")
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0, *a, **kw: "abc")
     argv = ["--recipes", "tiny_simclr", "--data", str(data), "--work", str(tmp_path / "l"), "--out", str(out)]
     learning.main([*argv, "--seeds", "1"])
     text = out.read_text()

@@ -5,7 +5,8 @@
 #   2. images/s and peak memory per GPU, fp32 vs bf16, with and without channels_last and
 #      torch.compile (python -m benchmarks.pretraining --device cuda), written to benchmarks/gpu.md;
 #   3. JPEGs decoded on the GPU (data.backend=device, nvJPEG): a run that trains, and the data path's
-#      images/s per core and on the GPU (python -m benchmarks.data --device cuda).
+#      images/s per core and on the GPU (python -m benchmarks.data --device cuda), the batched decode
+#      alone with TorchCodec's decoder and torchvision's (both, where TorchCodec is installed).
 # Usage: bash tools/gpu_check.sh            (after `make setup` with a CUDA build of torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
