@@ -415,7 +415,9 @@ def write_document(every: dict[str, Claim], seeds: list[int], rows: list[dict], 
     """benchmarks/claims.md and its PNG from every run measured so far (``rows``)."""
     hashes = plan_hashes(every, seeds)
     kept = latest(rows)
-    measured = [r for r in kept.values() if r.get("preset") == PRESET]
+    # the runs of the planned configurations (lines of an older config stay in the file, unshown)
+    measured = [kept[k] for k in ((PRESET, a.recipe, s, h) for (a, s), h in hashes.items()) if k in kept]
+    measured = list({id(r): r for r in measured}.values())  # an arm shared by two claims: one run
     machines = sorted({r.get("machine", "?") for r in measured}) or [f"{cpu_name()}, {os.cpu_count()} cores"]
     minutes = sum(r["seconds"] for r in measured) / 60
     missing = missing_runs(every, seeds, kept, hashes)
