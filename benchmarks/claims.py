@@ -35,7 +35,6 @@ import os
 import shutil
 import signal
 import statistics
-import sys
 from pathlib import Path
 
 from benchmarks import cell, cpu_name, mean_std
@@ -580,4 +579,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
