@@ -24,6 +24,15 @@ Order: the claims run cheapest first, seed-major within a claim (every configura
 before any gets seed 1). After the base seeds, a comparison whose mean effect is smaller than its
 seeds' spread (|mean| < std) gets the extra seeds, as the issue asks (5 seeds where the effect is
 smaller than the spread).
+
+Budget (measured 2026-11-25 on the 2 shared AMD EPYC cores, load average about 4, one thread): tiny
+MoCo v2 at batch 16 took 0.43 s a step (5 epochs, 390 steps: 2.8 min of pretraining), against 0.13 s
+when the machine was quiet (``benchmarks/learning.py``'s pilot); SimCLR at batch 256 took 16 ms an
+image against 27 ms at batch 16, so the large-batch arms cost about 0.6 of a batch-16 run. Per seed
+the grid is 30 configurations, about 24 batch-16 20-epoch runs' worth; at 3.5-4 min of pretraining
+plus about a minute of kNN and probe on two quiet cores, about 2 h a seed: about 6 h for 3 seeds,
+and the extra seeds of undecided effects come on top (2 runs per configuration involved). Under the
+load above, about 2.5 times that: run it over several sessions, the runs file carries the rows.
 """
 
 from __future__ import annotations
@@ -120,8 +129,9 @@ def _eqco() -> Claim:
         "EqCo (Zhu et al.) scales InfoNCE's margin by τ·log(α/K) so that the loss's optimum does not depend "
         'on K: with it, MoCo v2 trains with "16 negative pairs per query" instead of 65,536 "with almost '
         'no accuracy drop"; SiMo (a SimCLR-like host with EqCo, K = batch − 1) "achieves comparable '
-        'accuracy with MoCo v2". The per-K ImageNet table of plain InfoNCE vs EqCo is not in the text we '
-        "hold; the shape the paper describes: InfoNCE falls as K shrinks, EqCo stays within about a point. "
+        'accuracy with MoCo v2". The per-K ImageNet table of plain InfoNCE vs EqCo is not quoted here '
+        "(its figures could not be checked); the shape the paper describes: InfoNCE falls as K shrinks, "
+        "EqCo stays within about a point. "
         "Its SiMo α sweep (Table 5, linear top-1 %): α 256 68.0, 1024 68.1, 4096 68.1, 16384 68.4, "
         "65536 68.5, 262144 68.3. SiMo 68.1 vs MoCo v2 67.6 (R-50, 200 epochs, batch 256, Megvii's "
         "SelfSup zoo).",
@@ -185,10 +195,11 @@ def _dcl() -> Claim:
 
 
 def _simco() -> Claim:
-    batches = (64, 128)
+    batches = (16, 64)
     arms = {(r, b): _batch(f"tiny_{r}", name, b) for b in batches
             for r, name in (("mocov2", "MoCo v2"), ("simmoco", "SimMoCo"), ("simco", "SimCo"))}  # fmt: skip
-    paper = {("simco", 64): "+5.5", ("simco", 128): "+3.9", ("simmoco", 64): "+1.4", ("simmoco", 128): "+0.5"}
+    arms["mocov2", 16] = HOST  # tiny MoCo v2 itself
+    paper = {"simco": "+5.5 at 64, +3.9 at 128", "simmoco": "+1.4 at 64, +0.5 at 128"}
     return Claim(
         "simco",
         "SimCo / SimMoCo: no queue, no momentum encoder",
@@ -199,13 +210,13 @@ def _simco() -> Claim:
         "| MoCo v2 | 52.58 | 54.40 | 53.28 | 51.47 | 48.90 |\n"
         "| SimMoCo | 54.02 | 54.93 | 54.11 | 52.45 | 49.70 |\n"
         "| SimCo | 58.04 | 58.29 | 58.35 | 57.08 | 55.34 |\n\n"
-        "SimCo 4-6 points above MoCo v2, SimMoCo about 1.",
-        "Batches 64 and 128 as in the table's first two columns, each recipe's own tiny settings (MoCo v2's "
-        "256-key queue and m 0.9; SimMoCo's and SimCo's B − 1 in-batch negatives), 20 epochs, kNN rather than "
-        "online linear.",
-        tuple(arms.values()),
+        "SimCo 4-6 points above MoCo v2 at every batch, SimMoCo about 1.",
+        "Batches 16 (the tiny recipes themselves) and 64, below the table's smallest (64: at 16 the digits give "
+        "78 steps an epoch, at 256 only 4); each recipe's own tiny settings (MoCo v2's 256-key queue and m 0.9; "
+        "SimMoCo's and SimCo's B − 1 in-batch negatives), 20 epochs, kNN rather than online linear.",
+        tuple(arms[r, b] for b in batches for r in ("mocov2", "simmoco", "simco")),
         tuple(
-            Comparison(f"{name} − MoCo v2 at batch {b}", (arms[r, b],), (arms["mocov2", b],), "greater", paper[r, b])
+            Comparison(f"{name} − MoCo v2 at batch {b}", (arms[r, b],), (arms["mocov2", b],), "greater", paper[r])
             for r, name in (("simco", "SimCo"), ("simmoco", "SimMoCo"))
             for b in batches
         ),  # fmt: skip
@@ -323,13 +334,13 @@ def effects(comp: Comparison, seeds: list[int], kept: dict[tuple, dict], hashes:
 # --- the document ---------------------------------------------------------------------------------
 
 
-def _arm_line(arm: Arm, runs: dict[int, dict], seeds: list[int]) -> str:
+def _arm_line(arm: Arm, runs: dict[int, dict], required: list[int]) -> str:
     if not runs:
         return f"| {arm.label} | `{arm.recipe}` | {_overrides(arm)} | {arm.epochs} | not measured yet |" + " |" * 5
     rows = list(runs.values())
     knn = [r["knn_top1"] for r in rows]
     gain = [r["knn_top1"] - r["random_knn_top1"] for r in rows]
-    missing = [s for s in seeds if s not in runs]
+    missing = [s for s in required if s not in runs]
     cells = [
         arm.label,
         f"`{arm.recipe}`",
@@ -360,7 +371,10 @@ def _effect_line(comp: Comparison, found: dict[int, float]) -> str:
     return f"| {comp.label} | {comp.paper} | {shown} | {se} | {each} | {verdict(values, comp.direction)} |"
 
 
-def claim_section(claim: Claim, seeds: list[int], kept: dict[tuple, dict], hashes: dict) -> list[str]:
+def claim_section(
+    claim: Claim, seeds: list[int], kept: dict[tuple, dict], hashes: dict, required: list[int] | None = None
+) -> list[str]:
+    """The claim's section; ``required``: the base seeds, whose absence is listed (default ``seeds``)."""
     found = [effects(c, seeds, kept, hashes) for c in claim.comparisons]
     headline = verdict(list(found[0].values()), claim.comparisons[0].direction)
     lines = [
@@ -373,7 +387,7 @@ def claim_section(claim: Claim, seeds: list[int], kept: dict[tuple, dict], hashe
         "| configuration | recipe | overrides | epochs | seeds | kNN top-1 | gain over random | probe top-1 | min | "
         "config (seed 0) |",
         "|---|---|---|---|---|---|---|---|---|---|",
-        *(_arm_line(a, arm_runs(a, seeds, kept, hashes), seeds) for a in claim.arms),
+        *(_arm_line(a, arm_runs(a, seeds, kept, hashes), required or seeds) for a in claim.arms),
         "",
         "| effect (kNN points) | paper | miniature, mean ± std | 2 SE | per seed | verdict |",
         "|---|---|---|---|---|---|",
@@ -410,8 +424,12 @@ def missing_runs(every: dict[str, Claim], seeds: list[int], kept: dict[tuple, di
     return out
 
 
-def write_document(every: dict[str, Claim], seeds: list[int], rows: list[dict], out: Path) -> None:
-    """benchmarks/claims.md and its PNG from every run measured so far (``rows``)."""
+def write_document(
+    every: dict[str, Claim], seeds: list[int], rows: list[dict], out: Path, required: list[int] | None = None
+) -> None:
+    """benchmarks/claims.md and its PNG from every run measured so far (``rows``) of ``seeds``; the runs
+    missing among the ``required`` seeds (default all of ``seeds``; the extra seeds are optional) are listed."""
+    required = required or seeds
     hashes = plan_hashes(every, seeds)
     kept = latest(rows)
     # the runs of the planned configurations (lines of an older config stay in the file, unshown)
@@ -419,7 +437,7 @@ def write_document(every: dict[str, Claim], seeds: list[int], rows: list[dict], 
     measured = list({id(r): r for r in measured}.values())  # an arm shared by two claims: one run
     machines = sorted({r.get("machine", "?") for r in measured}) or [f"{cpu_name()}, {os.cpu_count()} cores"]
     minutes = sum(r["seconds"] for r in measured) / 60
-    missing = missing_runs(every, seeds, kept, hashes)
+    missing = missing_runs(every, required, kept, hashes)
     lines = [
         "# Each paper's headline claim in miniature, on the real digits",
         "",
@@ -435,8 +453,9 @@ def write_document(every: dict[str, Claim], seeds: list[int], rows: list[dict], 
         f"effect is significantly negative. A verdict needs {MIN_SEEDS} seeds; an effect smaller than its "
         "seeds' spread gets 2 more.",
         "",
-        f"Budget: {len(measured)} runs measured so far, {minutes / 60:.1f} h of pretraining; the whole grid is "
-        f"{len(dict.fromkeys(a for c in every.values() for a in c.arms))} configurations × {len(seeds)} seeds. "
+        f"Budget: runs measured so far {len(measured)}, {minutes / 60:.1f} h of pretraining; the whole grid is "
+        f"{len(dict.fromkeys(a for c in every.values() for a in c.arms))} configurations × {len(required)} "
+        "seeds (more where an effect is within its spread). "
         f"Machine: {'; '.join(machines)}, one thread per process, one run at a time (`min`: minutes of "
         "pretraining per run, slower when the machine was shared).",
         "",
@@ -450,7 +469,7 @@ def write_document(every: dict[str, Claim], seeds: list[int], rows: list[dict], 
         "",
     ]
     for claim in every.values():
-        lines += claim_section(claim, seeds, kept, hashes)
+        lines += claim_section(claim, seeds, kept, hashes, required)
     lines += ["## Not measured yet", ""]
     lines += [f"- {m}" for m in missing] or ["Every planned run is measured."]
     out.write_text("\n".join(lines) + "\n")
@@ -547,7 +566,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default="outputs/bench_claims", help="the runs' folders")
     parser.add_argument("--runs", type=Path, default=RUNS_FILE, help="the measured runs (JSON lines, committed)")
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--plan", action="store_true", help="list the planned runs and their state; train nothing")
+    parser.add_argument(
+        "--plan", action="store_true", help="list the planned runs, rewrite --out from the runs file; train nothing"
+    )
     parser.add_argument("--fresh", action="store_true", help="measure the chosen runs again")
     args = parser.parse_args(argv)
     chosen = [c for c in args.claims.split(",") if c]
@@ -558,9 +579,10 @@ def main(argv: list[str] | None = None) -> None:
     all_seeds = sorted({*args.seeds, *args.extra_seeds})
 
     def write() -> None:
-        write_document(every, all_seeds, read_runs(args.runs), args.out)
+        write_document(every, all_seeds, read_runs(args.runs), args.out, args.seeds)
 
     if args.plan:
+        write()
         kept = latest(read_runs(args.runs))
         for name in chosen:
             for arm in every[name].arms:

@@ -81,7 +81,7 @@ def test_the_document_shows_each_configuration_and_effect_with_its_verdict(tmp_p
     assert "| A | `tiny_simclr` | - | 20 | 0, 1, 2 (missing 3) | 52.0 ± 2.0 | +12.0 ± 2.0 | 70.0 ± 0.0 | 2.0 |" in text
     assert "| B | `tiny_dcl` | `train.batch_size=32` | 20 | 0, 1, 2 (missing 3) | 57.0 ± 2.6 |" in text
     assert "| [toy](#toy-b-beats-a-reproduced) | B − A | +5.0 ± 1.0 (n 3) | reproduced |" in text
-    assert "- A (`tiny_simclr` -, 20 epochs): seeds 3" in text and "6 runs measured so far" in text
+    assert "- A (`tiny_simclr` -, 20 epochs): seeds 3" in text and "runs measured so far 6," in text
     assert out.with_suffix(".png").stat().st_size > 0
 
 
