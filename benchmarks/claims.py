@@ -59,6 +59,7 @@ from benchmarks.learning import (
     measure,
     read_runs,
 )
+from contrastive_transfer.cli import atomic_write
 from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -472,7 +473,8 @@ def write_document(
         lines += claim_section(claim, seeds, kept, hashes, required)
     lines += ["## Not measured yet", ""]
     lines += [f"- {m}" for m in missing] or ["Every planned run is measured."]
-    out.write_text("\n".join(lines) + "\n")
+    # atomic: a benchmark stopped while writing leaves the previous document, not half of one
+    atomic_write(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     _chart(every, seeds, kept, hashes, out.with_suffix(".png"))
 
 

@@ -6,7 +6,11 @@ through load_config with the override it names."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 import yaml
 from omegaconf import OmegaConf
@@ -145,3 +149,38 @@ def test_every_planned_run_resolves_through_load_config_with_its_override():
     assert all(len(labels) == 1 for labels in hashes.values()), hashes  # no two arms are one run
     comparisons = [c for claim in every.values() for c in claim.comparisons]
     assert all(set(c.plus) | set(c.minus) <= set(arms) for c in comparisons)
+
+
+@pytest.mark.slow  # a Python start-up and the grid's imports under the signal: about 15 s on 2 shared cores
+def test_sigterm_stops_the_run_in_progress_and_keeps_every_line(tmp_path):
+    """`kill` on the benchmark mid-run: its child ends with it, and the lines measured before stay."""
+    data, runs, pid_file = tmp_path / "data", tmp_path / "runs.jsonl", tmp_path / "child.pid"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    kept = json.dumps(_row(A, 0, 50.0)) + "\n"
+    runs.write_text(kept)
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    parent = "\n".join([
+        "import sys; from pathlib import Path",
+        "from benchmarks import claims as b, learning",
+        "from tests.test_bench_claims import TOY",
+        "b.claims = lambda: {'toy': TOY}",
+        "b.config_hash = lambda recipe, epochs, seed=0, extra=(): 'h1'",  # A seed 0 ('h0') is measured again
+        f"log = Path({str(tmp_path / 'run.log')!r})",
+        f"b.measure = lambda *a, **k: learning.run_logged([sys.executable, '-c', {child!r}], log)",
+        f"b.main(['--data', {str(data)!r}, '--runs', {str(runs)!r}, '--out', {str(tmp_path / 'claims.md')!r}, "
+        f"'--work', {str(tmp_path / 'work')!r}, '--seeds', '0', '--extra-seeds', ''])",
+    ])  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=bench.ROOT)
+    deadline = time.time() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    run = psutil.Process(int(pid_file.read_text()))
+    assert run.is_running()  # control: the benchmark's run is live before the signal
+    proc.terminate()
+    assert proc.wait(timeout=60) != 0
+    gone, alive = psutil.wait_procs([run], timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, "the benchmark's run outlived it"
+    assert runs.read_text() == kept
