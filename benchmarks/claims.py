@@ -495,6 +495,11 @@ def _chart(every: dict[str, Claim], seeds, kept, hashes, path: Path) -> None:
         ax.bar(list(x), [m for m, _ in stats], yerr=[s or 0 for _, s in stats], color="tab:blue")
         ax.set_xticks(list(x), [a.label.replace(", ", "\n", 1) for a in claim.arms], rotation=60, ha="right",
                       fontsize=7)  # fmt: skip
+        randoms = [r["random_knn_top1"] for a in claim.arms for r in arm_runs(a, seeds, kept, hashes).values()]
+        if randoms:  # the same random inits for every arm of a seed
+            ax.axhline(statistics.fmean(randoms), color="grey", linestyle="--", label="random init")
+            ax.legend(fontsize=7, loc="upper right")
+        ax.set_ylim(0, 100)
         ax.set_title(claim.title.split(":")[0], fontsize=10)
         ax.set_ylabel("kNN top-1 (%), mean ± std over seeds")
     fig.tight_layout()
