@@ -264,11 +264,20 @@ def config_hash(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] 
 
 
 def measure(
-    recipe: str, epochs: int, seed: int, data: Path, work: Path, fresh: bool = False, extra: tuple[str, ...] = ()
+    recipe: str,
+    epochs: int,
+    seed: int,
+    data: Path,
+    work: Path,
+    fresh: bool = False,
+    extra: tuple[str, ...] = (),
+    run: Path | None = None,
 ) -> dict:
+    """One run: pretrain ``recipe`` (+ ``extra``) in ``run`` (default ``work/runs/<recipe>/seed<s>``),
+    evaluate it and the random init of its seed (kept under ``work/random``)."""
     from pretrain.config import load_config
 
-    run = work / "runs" / recipe / f"seed{seed}"
+    run = run or work / "runs" / recipe / f"seed{seed}"
     if fresh and run.exists():
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
