@@ -122,7 +122,7 @@ HOST = _mocov2("MoCo v2 (queue 256, m 0.9)")  # tiny MoCo v2 itself, shared by f
 
 def _eqco() -> Claim:
     info16, info64 = (_mocov2(f"InfoNCE, K {k}", f"method.num_negatives={k}") for k in (16, 64))
-    eq16, eq64 = (_mocov2(f"EqCo, K {k}", f"method.num_negatives={k}", "method.eqco_alpha=256") for k in (16, 64))
+    eq16, eq64 = (_mocov2(f"EqCo, K {k}", f"method.num_negatives={k}", "method.loss.eqco_alpha=256") for k in (16, 64))
     simo = Arm("SiMo (K = batch − 1 = 15, α 256)", "tiny_simo")
     return Claim(
         "eqco",
