@@ -46,7 +46,7 @@ def test_grid_rows_resume_and_both_tables_share_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "measure", lambda recipe, epochs, seed, *a, **kw: _row(recipe, 66.0, seed))
     monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0, *a, **kw: "abc")
     argv = ["--recipes", "tiny_simclr", "--data", str(data), "--work", str(tmp_path / "l"), "--out", str(out)]
-    learning.main([*argv, "--seeds", "1"])
+    learning.main([*argv, "--seeds", "1", "--runs", str(tmp_path / "runs.jsonl")])  # never the committed file
     text = out.read_text()
     assert text.startswith("# Does every method learn?") and "| 16 | 41.5 ± 0.7" in text
     assert text.count(learning.SECTION_MARK) == 1
