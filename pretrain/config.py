@@ -117,15 +117,20 @@ _PATH_KEYS = ("data.root", "knn.train_dir", "knn.val_dir", "train.resume", "trai
 _OUTPUT_KEYS = ("train.output_dir",)
 
 
-def _strings(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every value of a plain config tree that is not a mapping or a list."""
     if isinstance(node, dict):
         for k, v in node.items():
-            yield from _strings(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            yield from _strings(v, f"{prefix}.{i}")
-    elif isinstance(node, str):
+            yield from _leaves(v, f"{prefix}.{i}")
+    else:
         yield prefix, node
+
+
+def _strings(node: Any) -> Iterator[tuple[str, str]]:
+    return ((key, value) for key, value in _leaves(node) if isinstance(value, str))
 
 
 def _resolver_calls(value: str) -> list[str]:
@@ -358,15 +363,8 @@ _SIZES = {
 }
 
 
-def _numbers(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _numbers(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _numbers(v, f"{prefix}.{i}")
-    elif isinstance(node, (int, float)) and not isinstance(node, bool):
-        yield prefix, node
+def _numbers(node: Any) -> Iterator[tuple[str, Any]]:
+    return ((k, v) for k, v in _leaves(node) if isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
 def _check_numbers(container: Any, where: str) -> None:
