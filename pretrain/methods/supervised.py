@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from contrastive_transfer.errors import ConfigError
+from pretrain.losses.precision import fp32
 from pretrain.methods.base import Method
 from pretrain.models import build_encoder
 
@@ -70,7 +71,7 @@ class Supervised(Method):
         return self.encoder.backbone
 
     def forward(self, views: list[torch.Tensor], labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits = self.encoder(views[0]).float()
+        logits = fp32(self.encoder(views[0]))  # fp32 under autocast, float64 kept (exactness tests)
         loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         accuracy = (logits.detach().argmax(1) == labels).float().mean() * 100
         return {"loss": loss, "train_top1": accuracy}
