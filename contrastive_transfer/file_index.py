@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from contrastive_transfer.cli import UserError, atomic_write
+from contrastive_transfer.untrusted import check_archive, open_untrusted
 
 __all__ = ["FileIndex", "FileIndexError"]
 
@@ -98,10 +99,12 @@ class FileIndex(Sequence):
     def load(cls, path: str | os.PathLike, root: str | os.PathLike) -> "FileIndex":
         """A saved index, checked: arrays of the right types whose offsets fit the buffer, names
         inside the root, labels that index its classes."""
-        try:
-            with np.load(path, allow_pickle=False) as arrays:
-                blob, offsets, labels = (arrays[k] for k in ("blob", "offsets", "labels"))
-                classes = arrays["classes"] if "classes" in arrays else np.array([], dtype=str)
+        try:  # through the gate: a regular file within its cap, zip records checked before inflating
+            with open_untrusted(path, "file index") as f:
+                check_archive(f, path, "file index")
+                with np.load(f, allow_pickle=False) as arrays:
+                    blob, offsets, labels = (arrays[k] for k in ("blob", "offsets", "labels"))
+                    classes = arrays["classes"] if "classes" in arrays else np.array([], dtype=str)
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
             raise FileIndexError(f"{path}: not a file index ({' '.join(str(e).split()) or type(e).__name__})") from None
         why = _inconsistency(blob, offsets, labels) or (
@@ -117,8 +120,11 @@ class FileIndex(Sequence):
     def saved_root(path: str | os.PathLike) -> str | None:
         """The dataset root a saved index was built from (None: unreadable or not recorded)."""
         try:
-            with np.load(path, allow_pickle=False) as arrays:
-                return str(arrays["root"]) if "root" in arrays and arrays["root"].dtype.kind == "U" else None
+            with open_untrusted(path, "file index") as f:
+                check_archive(f, path, "file index")
+                with np.load(f, allow_pickle=False) as arrays:
+                    root = arrays["root"] if "root" in arrays else None
+                    return str(root) if root is not None and root.dtype.kind == "U" else None
         except (OSError, ValueError, KeyError, zipfile.BadZipFile):
             return None
 

@@ -85,3 +85,12 @@ def test_workers_do_not_copy_the_index():
     packed = worker_growth(FileIndex.from_samples("/data/imagenet/train", samples), workers=1)
     assert min(listed) > 4, f"control: the list should be copied into the worker ({listed} MiB)"
     assert max(packed) < min(listed) / 5, f"the packed index grew a worker by {packed} MiB (list: {listed})"
+
+
+def test_a_special_file_in_place_of_the_index_is_refused_without_waiting(tmp_path):
+    fifo = tmp_path / "file_index.npz"
+    os.mkfifo(fifo)  # a plain np.load(path) would block here until a writer came
+    with pytest.raises(FileIndexError) as e:
+        FileIndex.load(fifo, "/r")
+    assert str(fifo) in str(e.value) and "\n" not in str(e.value)
+    assert FileIndex.saved_root(fifo) is None
