@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from contrastive_transfer.contract import METHOD_STATE
 from pretrain.checkpoint import LAST_NAME, read_training_state
+
+from .test_failsafe import training_state  # weights and optimizer moments, flattened
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -47,14 +48,6 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> tuple[int
     return rc, log.read_text()
 
 
-def state(out: Path) -> dict[str, torch.Tensor]:
-    saved = read_training_state(out / LAST_NAME)
-    flat = {f"method.{k}": v for k, v in saved[METHOD_STATE].items()}
-    for i, param_state in saved["optimizer"]["state"].items():
-        flat.update({f"optimizer.{i}.{k}": v for k, v in param_state.items() if isinstance(v, torch.Tensor)})
-    return flat
-
-
 def test_one_process_signalled_both_stop_at_the_same_step_and_resume_exactly(synthetic_root, tmp_path):
     straight = launch(["-m", "pretrain"], tmp_path / "straight", synthetic_root)
     out = tmp_path / "preempted"
@@ -68,7 +61,7 @@ def test_one_process_signalled_both_stop_at_the_same_step_and_resume_exactly(syn
     assert rc == 0 and "resumed from" in log and "at step 3" in log, log[-3000:]
     rc, log = finish(*straight)
     assert rc == 0, log[-3000:]
-    reference, resumed = state(tmp_path / "straight"), state(out)
+    reference, resumed = training_state(tmp_path / "straight"), training_state(out)
     assert reference.keys() == resumed.keys()
     different = [k for k, v in reference.items() if not torch.equal(v, resumed[k])]
     assert not different, different
