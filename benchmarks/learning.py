@@ -11,7 +11,10 @@ row is the mean ± std over its seeds, and it clears the 5-point kNN margin on i
 
 Every measured run is one JSON line of ``benchmarks/learning_runs.jsonl`` (committed), keyed by
 (data preset, recipe, seed, config hash): a run with a line there is never measured again, on any
-machine, unless --fresh; an edited recipe hashes differently and is measured again, from a clean
+machine, unless --fresh. The hash is of what the run trains (``pretrain.config.experiment``: paths,
+the monitor and keys at today's defaults left out, older spellings upgraded), and each line stores
+that experiment, so a row carries over to later versions of the code that add options; an edited
+recipe or a changed default hashes differently and is measured again, from a clean
 run directory under --work (where the runs themselves live). Each run rewrites --out (markdown) and
 its PNG from the lines whose hash is the recipe's current one, listing what is missing.
 
@@ -250,17 +253,32 @@ def _budget(epochs: int, seed: int = 0) -> list[str]:
     return [f"train.epochs={epochs}", f"train.seed={seed}", "train.log_with=none"]
 
 
-def config_hash(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] = ()) -> str:
-    """Hash of the resolved recipe at this budget, keys sorted, without the machine's paths (data
-    root, output dir) and without the kNN monitor's settings (it reads the backbone, it does not train
-    it): a row measured in one checkout stays valid in another, and goes stale when what trains does."""
+def recipe_experiment(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] = ()) -> dict:
+    """What a run of ``recipe`` at this budget trains (``pretrain.config.experiment``: the resolved
+    config without paths, the monitor and keys at their defaults)."""
     from omegaconf import OmegaConf
 
-    from pretrain.config import load_config
+    from pretrain.config import experiment, load_config
 
-    cfg = OmegaConf.to_container(load_config(RECIPES / f"{recipe}.yaml", [*_budget(epochs, seed), *extra]))
-    del cfg["data"]["root"], cfg["train"]["output_dir"], cfg["knn"]
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
+    return experiment(OmegaConf.to_container(load_config(RECIPES / f"{recipe}.yaml", [*_budget(epochs, seed), *extra])))
+
+
+def experiment_hash(experiment: dict) -> str:
+    return hashlib.sha256(json.dumps(experiment, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def config_hash(recipe: str, epochs: int, seed: int = 0, extra: tuple[str, ...] = ()) -> str:
+    """The key of a measured run: a row measured in one checkout, or by an earlier version of the
+    code, stays valid, and goes stale when what trains changes."""
+    return experiment_hash(recipe_experiment(recipe, epochs, seed, extra))
+
+
+def row_hash(row: dict) -> str:
+    """A row's key, from the experiment it stores, seen by today's code (an older spelling upgraded
+    by ``pretrain.migrate``); rows measured before rows stored it keep their recorded hash."""
+    from pretrain.config import experiment
+
+    return experiment_hash(experiment(row["config"])) if "config" in row else row["config_hash"]
 
 
 def measure(
@@ -275,6 +293,8 @@ def measure(
 ) -> dict:
     """One run: pretrain ``recipe`` (+ ``extra``) in ``run`` (default ``work/runs/<recipe>/seed<s>``),
     evaluate it and the random init of its seed (kept under ``work/random``)."""
+    from omegaconf import OmegaConf
+
     from pretrain.config import load_config
 
     run = run or work / "runs" / recipe / f"seed{seed}"
@@ -302,12 +322,13 @@ def measure(
     rows = [json.loads(line) for line in (run / "pretrain" / "metrics.jsonl").read_text().splitlines()]
     steps = max(r["step"] for r in rows if "loss" in r)
     pretrained = evaluate(final, data, run)
+    trained = recipe_experiment(recipe, epochs, seed, extra)
     random = random_baseline(cfg.model.arch, cfg.model.stem, cfg.data.image_size, data, work, seed=seed)
     return {
         "recipe": recipe,
         "seed": seed,
         "method": cfg.method.name,
-        "loss": cfg.method.get("loss", "-"),
+        "loss": OmegaConf.select(cfg, "method.loss.name", default="-"),  # AdCo, SiMo, SimCo: their own loss
         "epochs": epochs,
         "steps": steps,
         "batch": cfg.train.batch_size,
@@ -319,7 +340,8 @@ def measure(
         "random_knn_top1": random["knn_top1"],
         "random_linear_top1": random["linear_top1"],
         "load_avg_5min": load,
-        "config_hash": config_hash(recipe, epochs, seed, extra),
+        "config_hash": experiment_hash(trained),
+        "config": trained,
         "git_sha": _git_sha(),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
     }
@@ -461,7 +483,7 @@ def read_runs(path: Path) -> list[dict]:
 
 
 def _key(row: dict) -> tuple:
-    return row.get("preset", "small"), row["recipe"], row["seed"], row["config_hash"]
+    return row.get("preset", "small"), row["recipe"], row["seed"], row_hash(row)
 
 
 def append_run(path: Path, row: dict) -> None:
@@ -498,11 +520,11 @@ def measure_kept(recipe: str, seed: int, args, data: Path, work: Path) -> None:
     preset = PRESETS[args.preset]
     current = config_hash(recipe, args.epochs, seed, preset.overrides)
     rows = [r for r in read_runs(args.runs) if _key(r)[:3] == (preset.name, recipe, seed)]
-    if not args.fresh and any(r["config_hash"] == current for r in rows):
+    if not args.fresh and any(row_hash(r) == current for r in rows):
         print(f"{recipe} seed {seed}: measured before ({args.runs})")
         return
     if rows and not args.fresh:
-        print(f"{recipe} seed {seed}: config {current} differs from the measured {rows[-1]['config_hash']}: measuring")
+        print(f"{recipe} seed {seed}: config {current} differs from the measured {row_hash(rows[-1])}: measuring")
     # the run folder holds a run of another config (or --fresh): resuming it would mix them, start clean
     stale = bool(rows) or args.fresh
     print(f"{recipe} seed {seed}: pretraining {args.epochs} epochs ...", flush=True)

@@ -32,7 +32,7 @@ from contrastive_transfer.yaml_limits import decode as decode_yaml
 from pretrain.augment.views import ViewError, resolve, with_min_crop_scale
 from pretrain.losses import LOSSES
 from pretrain.methods import METHODS
-from pretrain.migrate import drop_other_losses_defaults, upgrade, upgrade_overrides
+from pretrain.migrate import drop_other_losses_defaults, upgrade, upgrade_overrides, upgrade_saved
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "name": None,  # run name; defaults to the recipe's file name
@@ -484,6 +484,66 @@ def config_defaults(method: Any, loss: Any = None) -> DictConfig:
         own["loss"] = {**LOSSES[loss].config_keys, **given, "name": loss}
     defaults.method = {"name": method, **own}
     return defaults
+
+
+# Where a run reads and writes, and how it reports: two runs that differ only here train the same
+# model. ``experiment`` leaves them out.
+NOT_TRAINING_KEYS = (
+    "name",
+    "data.root",
+    "data.pin_memory",
+    "train.output_dir",
+    "train.resume",
+    "train.log_with",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.dist_timeout_minutes",
+    "train.preempt_signals",
+    "knn",
+)
+
+
+def experiment(config: dict) -> dict:
+    """What a run trains, comparable across versions of this code: a resolved config (today's, or
+    one saved by any earlier version: upgraded by ``pretrain.migrate``) without NOT_TRAINING_KEYS
+    and without every key that holds today's default. A key added later at its default therefore
+    changes nothing, while a changed value or a changed default does. Benchmarks key their
+    measured runs by it, so that rows carry over from one version to the next."""
+    config = upgrade_saved(config)
+    for dotted in NOT_TRAINING_KEYS:
+        *parents, last = dotted.split(".")
+        node = config
+        for part in parents:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(last, None)
+    method = config.get("method", {})
+    loss = method.get("loss") if isinstance(method, dict) else None
+    name, loss_name = method.get("name"), loss.get("name") if isinstance(loss, dict) else None
+    kept = _without_defaults(config, OmegaConf.to_container(config_defaults(name, loss_name)))
+    # The defaults are those of this method and loss, so they hold their names: keep them.
+    kept_method = kept.setdefault("method", {})
+    if loss_name is not None:
+        kept_method["loss"] = {"name": loss_name, **kept_method.get("loss", {})}
+    kept["method"] = {"name": name, **kept_method}
+    return kept
+
+
+def _without_defaults(tree: dict, defaults: Any) -> dict:
+    kept = {}
+    for key, value in tree.items():
+        default = defaults.get(key, _NO_DEFAULT) if isinstance(defaults, dict) else _NO_DEFAULT
+        if isinstance(value, dict) and isinstance(default, dict):
+            value = _without_defaults(value, default)
+            if not value:
+                continue
+        elif value == default:
+            continue
+        kept[key] = value
+    return kept
+
+
+_NO_DEFAULT = object()
 
 
 def check_min_crop_scale(scale: Any) -> None:

@@ -243,3 +243,27 @@ def test_rows_kept_only_in_the_old_run_folders_are_carried_into_the_runs_file(tm
         {"preset": "small", **_row("tiny_simclr", 64.0)}
     ]
     assert "| tiny_simclr | simclr | 0 | 64.0 |" in (tmp_path / "t.md").read_text()
+
+
+@pytest.mark.parametrize("recipe", ["tiny_simclr_eqco", "tiny_adco"])  # a loss section, and none
+def test_a_measured_row_is_one_json_line_keyed_by_its_experiment(tmp_path, monkeypatch, recipe):
+    """measure() around a faked pretraining and evaluation: the row it returns is plain JSON (a
+    config section in it failed only after a real pretraining) and its stored experiment gives
+    back the key the table looks it up by."""
+
+    def fake_pretrain(cmd, log):
+        out = next(a.split("=", 1)[1] for a in cmd if a.startswith("train.output_dir="))
+        (tmp_path / out).mkdir(parents=True, exist_ok=True)
+        (tmp_path / out / "checkpoint_final.pth").write_bytes(b"")
+        (tmp_path / out / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+        return 1.0, 100.0
+
+    monkeypatch.setattr(learning, "run_logged", fake_pretrain)
+    monkeypatch.setattr(learning, "evaluate", lambda final, data, run: {"knn_top1": 60.0, "linear_top1": 50.0})
+    monkeypatch.setattr(learning, "random_baseline", lambda *a, **k: {"knn_top1": 40.0, "linear_top1": 30.0})
+    row = learning.measure(recipe, 3, 1, tmp_path / "data", tmp_path / "work")
+    row = json.loads(json.dumps(row))
+    assert row["loss"] == ("infonce" if recipe == "tiny_simclr_eqco" else "-")
+    assert row["steps"] == 7
+    assert learning.row_hash(row) == row["config_hash"] == learning.config_hash(recipe, 3, 1)
+    assert learning.row_hash({**row, "config_hash": "stale"}) == row["config_hash"]  # the stored experiment wins

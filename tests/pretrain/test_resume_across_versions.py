@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from contrastive_transfer.contract import FINAL_NAME, LAST_NAME, training_state
 from pretrain.checkpoint import ResumeError, _check_same_setup, read_training_state
-from pretrain.config import load_config
+from pretrain.config import experiment, load_config
 from pretrain.engine import train
 from pretrain.losses import LOSSES, DCLLoss, LossSpec
 from pretrain.migrate import upgrade
@@ -144,3 +144,30 @@ def test_a_saved_config_that_cannot_be_upgraded_is_refused_in_one_line(old_run):
         with pytest.raises(ResumeError, match="^checkpoint .* was written with method") as e:
             _check_same_setup(OLD, saved, cfg)
         assert "\n" not in str(e.value)
+
+
+def _experiment_now(*overrides: str) -> dict:
+    cfg = load_config(RECIPES / f"{maker.RECIPE}.yaml", [*maker.OVERRIDES, "train.max_steps=1", *overrides])
+    return experiment(OmegaConf.to_container(cfg))
+
+
+def test_the_old_run_is_the_same_experiment_for_todays_code(newer_losses):
+    """Benchmarks key their measured runs by ``experiment``: the config the old code saved (old
+    spellings, every loss's options under `method`, no views) and today's load of the same recipe,
+    with an option and a loss added since, are one experiment; what trains is not."""
+    saved = torch.load(OLD, weights_only=False)["config"]
+    assert experiment(saved) == _experiment_now()
+    assert experiment(saved) == _experiment_now("train.output_dir=/elsewhere", "train.log_every=7", "knn.k=3")
+    assert experiment(saved) != _experiment_now("method.loss.toy_option=0.25")  # a value that trains
+    assert experiment(saved) != _experiment_now("method.loss.name=dcl")
+
+
+def test_a_changed_default_is_another_experiment(monkeypatch):
+    """A key the old run held at the old default: when today's default differs, the runs differ."""
+    saved = torch.load(OLD, weights_only=False)["config"]
+    infonce = LOSSES["infonce"]
+    monkeypatch.setitem(
+        LOSSES, "infonce", LossSpec(infonce.from_config, {**infonce.config_keys, "eqco_alpha": 64}, infonce.check)
+    )
+    assert experiment(saved) != _experiment_now()
+    assert experiment(saved) == _experiment_now("method.loss.eqco_alpha=null")
