@@ -16,7 +16,9 @@ Every measured run is one JSON line of ``benchmarks/claims_runs.jsonl`` (committ
 ``benchmarks/learning.py``'s by (preset, recipe, seed, config hash): a run with a line there is never
 measured again, on any machine; its folder under --work is named by that hash, so an interrupted run
 resumes there and a changed configuration starts in a fresh one. A configuration shared by claims
-(tiny MoCo v2 itself) is measured once. Each run rewrites --out and its PNG from every line measured
+(tiny MoCo v2 itself) is measured once, and one the digits learning table measured (a tiny recipe
+at its 20-epoch budget: the same experiment, so the same key) is read from
+``benchmarks/learning_runs.jsonl``. Each run rewrites --out and its PNG from every line measured
 so far, listing the runs still missing. SIGTERM stops the run in progress (no orphaned child) and
 keeps every line written.
 
@@ -58,6 +60,9 @@ from benchmarks.learning import (
     ensure_data,
     measure,
     read_runs,
+)
+from benchmarks.learning import (
+    RUNS_FILE as LEARNING_RUNS,
 )
 from contrastive_transfer.cli import atomic_write
 from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
@@ -517,6 +522,14 @@ def plan_hashes(every: dict[str, Claim], seeds: list[int]) -> dict[tuple[Arm, in
     return {(a, s): a.hash(s) for a in arms for s in seeds}
 
 
+def known_runs(args) -> list[dict]:
+    """The claims' runs, then the digits learning table's: a claim's configuration that is a tiny
+    recipe at its table budget (MoCo v2, SimCLR, DCL, ... at batch 16) is the same experiment, with
+    the same key, and is not measured twice (the claims' own line wins)."""
+    learning = [r for r in read_runs(args.learning_runs) if r.get("preset") == PRESET]
+    return [*learning, *read_runs(args.runs)]
+
+
 def run_dir(work: Path, arm: Arm, seed: int) -> Path:
     return work / "runs" / f"{arm.recipe}-{arm.hash(seed)}"
 
@@ -526,7 +539,7 @@ def measure_kept(arm: Arm, seed: int, args, data: Path, work: Path) -> bool:
     current = arm.hash(seed)
     done = getattr(args, "done", set())  # measured by this invocation: an arm shared by claims, once
     if (arm.recipe, seed, current) in done or (
-        not args.fresh and (PRESET, arm.recipe, seed, current) in latest(read_runs(args.runs))
+        not args.fresh and (PRESET, arm.recipe, seed, current) in latest(known_runs(args))
     ):
         return False
     args.done = done | {(arm.recipe, seed, current)}
@@ -548,7 +561,7 @@ def run_claim(claim: Claim, args, data: Path, work: Path, write) -> None:
             if measure_kept(arm, seed, args, data, work):
                 write()
     hashes = plan_hashes({claim.name: claim}, [*args.seeds, *args.extra_seeds])
-    kept = latest(read_runs(args.runs))
+    kept = latest(known_runs(args))
     undecided = [c for c in claim.comparisons if needs_more_seeds(list(effects(c, args.seeds, kept, hashes).values()))]
     arms = dict.fromkeys(a for c in undecided for a in (*c.plus, *c.minus))
     for seed in args.extra_seeds:
@@ -577,6 +590,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", default="datasets/digits", help="the digits' root, generated if missing")
     parser.add_argument("--work", default="outputs/bench_claims", help="the runs' folders")
     parser.add_argument("--runs", type=Path, default=RUNS_FILE, help="the measured runs (JSON lines, committed)")
+    parser.add_argument(
+        "--learning-runs", type=Path, default=LEARNING_RUNS, help="runs of benchmarks/learning.py, reused where equal"
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument(
         "--plan", action="store_true", help="list the planned runs, rewrite --out from the runs file; train nothing"
@@ -591,11 +607,11 @@ def main(argv: list[str] | None = None) -> None:
     all_seeds = sorted({*args.seeds, *args.extra_seeds})
 
     def write() -> None:
-        write_document(every, all_seeds, read_runs(args.runs), args.out, args.seeds)
+        write_document(every, all_seeds, known_runs(args), args.out, args.seeds)
 
     if args.plan:
         write()
-        kept = latest(read_runs(args.runs))
+        kept = latest(known_runs(args))
         for name in chosen:
             for arm in every[name].arms:
                 done = [s for s in args.seeds if (PRESET, arm.recipe, s, arm.hash(s)) in kept]

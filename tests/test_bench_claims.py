@@ -113,7 +113,7 @@ def test_runs_are_kept_by_config_hash_and_extra_seeds_go_to_undecided_effects(tm
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "claims", lambda: {"toy": TOY})
     runs, out = tmp_path / "runs.jsonl", tmp_path / "claims.md"
-    common = ["--data", str(data), "--runs", str(runs), "--out", str(out)]
+    common = ["--data", str(data), "--runs", str(runs), "--out", str(out), "--learning-runs", str(tmp_path / "no")]
     bench.main([*common, "--work", str(tmp_path / "machine1")])
     base = [(label, s) for s in (0, 1, 2) for label in ("A", "B")]
     assert [c[:2] for c in calls] == [*base, ("B", 3), ("A", 3), ("B", 4), ("A", 4)]
@@ -128,6 +128,31 @@ def test_runs_are_kept_by_config_hash_and_extra_seeds_go_to_undecided_effects(tm
     bench.main([*common, "--work", str(tmp_path / "machine2"), "--seeds", "0", "--extra-seeds", ""])
     assert calls[10:] == [("A", 0, bench.PRETRAIN_OVERRIDES, "tiny_simclr-edited0"),
                           ("B", 0, calls[1][2], "tiny_dcl-edited0")]  # fmt: skip
+
+
+def test_a_configuration_the_learning_table_measured_is_not_measured_again(tmp_path, monkeypatch, fake_hash):
+    """A is tiny_simclr at the table's budget: the learning table's lines of the digits (same recipe,
+    seed and key) stand for it; a line of the synthetic preset or of another key does not."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    learning_rows = [{k: v for k, v in _row(A, s, 60.0).items() if k != "arm"} for s in (0, 1, 2)]
+    learning_rows[2]["preset"] = "small"
+    learning_rows.append({**learning_rows[0], "seed": 2, "config_hash": "other2"})
+    (tmp_path / "learning.jsonl").write_text("".join(json.dumps(r) + "\n" for r in learning_rows))
+    calls = []
+
+    def fake_measure(recipe, epochs, seed, data_root, work, fresh=False, extra=(), run=None):
+        calls.append((recipe, seed))
+        return {k: v for k, v in _row(A if recipe == "tiny_simclr" else B, seed, 55.0).items() if k != "arm"}
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "claims", lambda: {"toy": TOY})
+    out = tmp_path / "claims.md"
+    argv = ["--data", str(data), "--runs", str(tmp_path / "runs.jsonl"), "--out", str(out), "--extra-seeds", ""]
+    bench.main([*argv, "--work", str(tmp_path / "w"), "--learning-runs", str(tmp_path / "learning.jsonl")])
+    assert calls == [("tiny_dcl", 0), ("tiny_dcl", 1), ("tiny_simclr", 2), ("tiny_dcl", 2)]
+    assert "| A | `tiny_simclr` | - | 20 | 0, 1, 2 | 58.3 ± 2.9 |" in out.read_text()
 
 
 def test_unknown_claim_is_one_line():
