@@ -115,6 +115,25 @@ class DataBackend(ABC):
         """Per index of ``dataset`` (an ImageDataset, which reads the files through ``decode``):
         (its views, label, the unreadable paths passed over)."""
 
+    @abstractmethod
+    def _sample(self, decoded: Any) -> Any:
+        """A decoded file's random draws (and what is made of them in the worker, per sample)."""
+
+    def _drawn(self, dataset, indices: Sequence[int]) -> tuple[list, list[int], list[list[str]]]:
+        """Per index: ``_sample`` of its file, seeded by ``seeded_draws``; its label; the unreadable
+        paths passed over to reach it."""
+        epoch, drawn, labels, bads = dataset.epoch, [], [], []
+        for index in indices:
+            image, label, bad = dataset.load(int(index))
+            drawn.append(seeded_draws(dataset.seed, epoch, index, self._sample, image))
+            labels.append(label)
+            bads.append(bad)
+        return drawn, labels, bads
+
+    def _samples(self, per_view: Sequence[Sequence], labels: list[int], bads: list[list[str]]) -> list[tuple]:
+        """The batch's views, made per view, regrouped per sample: what ``items`` returns."""
+        return [(Views([v[i] for v in per_view], self.name), labels[i], bads[i]) for i in range(len(labels))]
+
     @classmethod
     def collate(cls, samples: Sequence[Views]) -> Any:
         """The samples' views → per view one B×C×H×W tensor, or a ``pair`` for the device."""
@@ -161,12 +180,7 @@ class TorchvisionBackend(DataBackend):
         return [t.sample(image) if isinstance(t, ViewTransform) else t(image) for t in self.views]
 
     def items(self, dataset, indices: Sequence[int]) -> list[tuple[Views, int, list[str]]]:
-        epoch, drawn, labels, bads = dataset.epoch, [], [], []
-        for index in indices:
-            image, label, bad = dataset.load(int(index))
-            drawn.append(seeded_draws(dataset.seed, epoch, index, self._sample, image))
-            labels.append(label)
-            bads.append(bad)
+        drawn, labels, bads = self._drawn(dataset, indices)
         per_view = []
         for j, t in enumerate(self.views):
             if isinstance(t, ViewTransform) and not self.colour_on_device:
@@ -174,7 +188,7 @@ class TorchvisionBackend(DataBackend):
                 per_view.append(t.finish(torch.stack(crops), torch.stack(uniforms)).unbind(0))
             else:
                 per_view.append([d[j] for d in drawn])
-        return [(Views([v[i] for v in per_view], self.name), labels[i], bads[i]) for i in range(len(indices))]
+        return self._samples(per_view, labels, bads)
 
 
 class FastBackend(DataBackend):
@@ -228,12 +242,7 @@ class FastBackend(DataBackend):
         """Decoded, drawn, cropped per sample, then each view's colour stage over the batch."""
         if not self.colour_on_device and all(fv is not None and fv.fast_geometry and fv.crop for fv in self.fast):
             return self._items_deferred(dataset, indices)
-        epoch, drawn, labels, bads = dataset.epoch, [], [], []
-        for index in indices:
-            image, label, bad = dataset.load(int(index))
-            drawn.append(seeded_draws(dataset.seed, epoch, index, self._sample, image))
-            labels.append(label)
-            bads.append(bad)
+        drawn, labels, bads = self._drawn(dataset, indices)
         per_view: list = []
         for j, fv in enumerate(self.fast):
             if fv is None:
@@ -244,7 +253,7 @@ class FastBackend(DataBackend):
                 per_view.append([self.pair(c, u) for c, u in zip(*(v.unbind(0) for v in views))])
             else:
                 per_view.append(views.unbind(0))
-        return [(Views([v[i] for v in per_view], self.name), labels[i], bads[i]) for i in range(len(indices))]
+        return self._samples(per_view, labels, bads)
 
     def _items_deferred(self, dataset, indices: Sequence[int]) -> list[tuple[Views, int, list[str]]]:
         """``items`` when every view is a crop (and flips) coloured in the worker, each JPEG decoded
@@ -292,7 +301,7 @@ class FastBackend(DataBackend):
                 box, flip, _ = draws[j]
                 fv.colour(fv.render(image, box, flip), params[j], n, outs[j][n].numpy())
         per_view = [out.unbind(0) for out in outs]
-        return [(Views([v[i] for v in per_view], self.name), labels[i], bads[i]) for i in range(len(indices))]
+        return self._samples(per_view, labels, bads)
 
 
 class DeviceBackend(DataBackend):
@@ -318,18 +327,17 @@ class DeviceBackend(DataBackend):
         image = v2.functional.to_image(open_rgb(path))
         return image, tuple(image.shape[-2:])
 
-    def _draw(self, height: int, width: int) -> list:
-        return [view.sample(height, width) for view in self.on_device]
-
-    def items(self, dataset, indices: Sequence[int]) -> list[tuple[Any, int, list[str]]]:
+    def _sample(self, decoded: tuple[torch.Tensor, tuple[int, int]]) -> Any:
+        """The sample's Encoded: the file as ``decode`` gives it and every view's draws, made from
+        the size alone."""
         from pretrain.augment.on_device import Encoded
 
-        epoch, out = dataset.epoch, []
-        for index in indices:
-            (data, (height, width)), label, bad = dataset.load(int(index))
-            boxes, flips, uniforms = zip(*seeded_draws(dataset.seed, epoch, index, self._draw, height, width))
-            out.append((Encoded(data, torch.tensor(boxes), torch.tensor(flips), list(uniforms)), label, bad))
-        return out
+        data, (height, width) = decoded
+        boxes, flips, uniforms = zip(*(view.sample(height, width) for view in self.on_device))
+        return Encoded(data, torch.tensor(boxes), torch.tensor(flips), list(uniforms))
+
+    def items(self, dataset, indices: Sequence[int]) -> list[tuple[Any, int, list[str]]]:
+        return list(zip(*self._drawn(dataset, indices)))
 
     @classmethod
     def collate(cls, samples: Sequence) -> Any:
