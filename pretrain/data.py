@@ -5,7 +5,8 @@ Reproducibility contract: the augmentation of sample ``index`` in ``epoch`` depe
 or where a run was resumed. The permutation of an epoch depends only on ``(seed, epoch)``.
 Views are declared as data (``pretrain/augment/views.py``, presets in ``configs/augment/``); each is a
 ``ViewTransform`` (``pretrain/augment/pipeline.py``): geometric ops per sample, colour ops batched
-over the DataLoader's batch with per-sample parameters.
+over the DataLoader's batch with per-sample parameters. Who runs them is ``data.backend``, one
+class each in ``pretrain/data_backends.py`` (the seeding too: ``seeded_draws``).
 
 Epochs: call ``set_loader_epoch(loader, epoch, start_batch)`` (or both ``dataset.set_epoch`` and
 ``sampler.set_epoch``) **before** ``iter(loader)``. DataLoader workers hold a copy of the dataset,
