@@ -97,7 +97,7 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     method = METHODS[cfg.method.name](cfg, 1).to(device).train()
     speed = gpu_settings(cfg, method, device)  # the engine's channels_last / cudnn / compile settings
     optimizer = build_optimizer(method, cfg)
-    dataset = ImageDataset(cfg.data.root, method.view_transforms(cfg), seed=0)
+    dataset = ImageDataset(cfg.data.root, method.view_transforms(cfg), seed=0, backend="torchvision")  # float views
     views, _, _ = next(iter(build_loader(dataset, cfg.train.batch_size)))
     views = [v.to(device, memory_format=speed.memory_format) for v in views]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -213,7 +213,7 @@ def bench_augmentation(recipe: str, root: str, size: int, n_images: int) -> dict
     from pretrain.data import ImageDataset, collate
 
     torch.manual_seed(0)
-    ours = ImageDataset(root, build_view_transforms(recipe, size), seed=0)
+    ours = ImageDataset(root, build_view_transforms(recipe, size), seed=0, backend="torchvision")
     paths = [p for p, _ in ours.samples[:n_images]]
     plain = _pil_pipelines(recipe, size)
 
@@ -228,7 +228,9 @@ def bench_augmentation(recipe: str, root: str, size: int, n_images: int) -> dict
             for view in plain:
                 view(image)
 
-    deferred = ImageDataset(root, build_view_transforms(recipe, size), seed=0, colour_on_device=True)
+    deferred = ImageDataset(
+        root, build_view_transforms(recipe, size), seed=0, colour_on_device=True, backend="torchvision"
+    )
 
     def run_deferred():  # a worker that leaves the colour stage to the GPU (data.colour_on_device)
         for start in range(0, len(paths), AUG_BATCH):

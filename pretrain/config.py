@@ -30,6 +30,7 @@ from contrastive_transfer.untrusted import read_untrusted
 from contrastive_transfer.yaml_limits import base_names, check_chain, compose_text
 from contrastive_transfer.yaml_limits import decode as decode_yaml
 from pretrain.augment.views import ViewError, resolve, with_min_crop_scale
+from pretrain.data_backends import BACKENDS, DEFAULT_BACKEND
 from pretrain.losses import LOSSES
 from pretrain.methods import METHODS
 from pretrain.migrate import drop_other_losses_defaults, upgrade, upgrade_overrides, upgrade_saved
@@ -51,7 +52,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "colour_on_device": None,  # colour ops on the GPU after a uint8 copy (null: on CUDA yes, on CPU no)
         # fast: decode once, uint8 views by OpenCV/numba, normalised on the device (pretrain/augment/fast.py);
         # torchvision: the exact reference; device: JPEGs decoded and augmented on the GPU (docs/augmentation.md)
-        "backend": "fast",
+        "backend": DEFAULT_BACKEND,
     },
     "optim": {
         "name": "sgd",  # sgd | lars
@@ -104,6 +105,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "step", "constant"),
     "train.mixed_precision": (None, "no", "fp16", "bf16"),
     "train.log_with": ("tensorboard", "wandb", "mlflow", "none"),
+    "data.backend": tuple(BACKENDS),
 }
 
 
@@ -575,8 +577,6 @@ def validate(cfg: DictConfig, num_processes: int) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected a positive integer")
     if not 0 <= cfg.optim.final_lr <= cfg.optim.lr:
         raise ConfigError(f"optim.final_lr={cfg.optim.final_lr}: expected a number in [0, optim.lr={cfg.optim.lr}]")
-    if cfg.data.backend not in ("fast", "torchvision", "device"):
-        raise ConfigError(f"data.backend={cfg.data.backend!r}: expected fast, torchvision or device")
     for key in ("train.channels_last", "train.cudnn_benchmark", "train.compile", "data.colour_on_device"):
         if OmegaConf.select(cfg, key) not in (None, True, False):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: expected true, false or null (automatic)")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from contrastive_transfer.ranks import decided_by_rank0  # shared with detection: the one in the base package
+
 __all__ = [
     "world_size",
     "rank",
@@ -25,6 +27,7 @@ __all__ = [
     "unshuffle_batch",
     "broadcast_",
     "all_ranks_equal",
+    "decided_by_rank0",
 ]
 
 
@@ -205,15 +208,6 @@ class PendingFlags:
 def start_all_ranks_true(flags: torch.Tensor) -> PendingFlags:
     """Start the reduction of a (k,) bool tensor of per-rank flags."""
     return PendingFlags(flags)
-
-
-def decided_by_rank0(value):
-    """Global rank 0's ``value`` (any picklable object) on every rank; ``value`` itself in one process."""
-    if world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def gather_objects(value) -> list:

@@ -57,7 +57,8 @@ def embed_queries(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(n', d) normalized queries of n' = ⌊n/batch⌋·batch images, train-mode BN per batch, and the
     minibatch index of each."""
-    dataset = ImageDataset(root, views[:1], seed=seed)
+    # the exact reference's float32 views, which embed_dataset gives the network as they come
+    dataset = ImageDataset(root, views[:1], seed=seed, backend="torchvision")
     n = min(n, len(dataset)) // batch_size * batch_size
     if n == 0:
         raise AnalysisError(f"{root} has {len(dataset)} images, fewer than one batch of {batch_size}")

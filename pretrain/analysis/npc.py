@@ -95,7 +95,8 @@ def embed_views(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two augmented views of the images (epoch 0 of the per-sample seeded augmentation), embedded
     and L2-normalized: (n, d) each, and the images' indices in ``ImageDataset(root)``."""
-    dataset = ImageDataset(root, build_view_transforms(augmentation, image_size), seed=seed)
+    # the exact reference's float32 views, which embed_dataset gives the network as they come
+    dataset = ImageDataset(root, build_view_transforms(augmentation, image_size), seed=seed, backend="torchvision")
     indices = torch.arange(len(dataset))
     if max_images is not None and max_images < len(dataset):
         indices = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_images].sort().values

@@ -306,7 +306,7 @@ def batch_output(shape: tuple[int, ...]) -> torch.Tensor:
 
 class FastCrops(NamedTuple):
     """The fast backend's (uint8 crop, uniforms) left for the device (``data.colour_on_device``):
-    a pair like the reference's, marked so that on a CPU device ``finish_views`` runs this backend's
+    a pair like the reference's, which on a CPU device the fast backend finishes with its own
     colour kernels (the views the workers would have made, bit for bit) rather than torch's."""
 
     crops: torch.Tensor

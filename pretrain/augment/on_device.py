@@ -69,6 +69,7 @@ class Encoded(NamedTuple):
     boxes: torch.Tensor  # V×4 int64
     flips: torch.Tensor  # V×2 bool: horizontal, vertical
     uniforms: list[torch.Tensor]
+    backend = "device"  # the data backend that made it (pretrain/data_backends.py)
 
 
 class EncodedBatch(NamedTuple):
@@ -78,6 +79,7 @@ class EncodedBatch(NamedTuple):
     boxes: torch.Tensor  # B×V×4
     flips: torch.Tensor  # B×V×2
     uniforms: list[torch.Tensor]  # per view, B×U
+    backend = "device"  # the data backend that made it (pretrain/data_backends.py)
 
     @staticmethod
     def collate(items: Sequence[Encoded]) -> EncodedBatch:

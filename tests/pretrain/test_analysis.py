@@ -243,7 +243,9 @@ def test_npc_matches_a_per_anchor_brute_force(tiny_moco, synthetic_root, tmp_pat
     method = METHODS["moco"](cfg, 1)
     method.load_state_dict(state["method_state"])
     encoder = method.encoder_q.eval()
-    dataset = ImageDataset(root, build_view_transforms(cfg.data.augmentation, cfg.data.image_size), seed=3)
+    dataset = ImageDataset(
+        root, build_view_transforms(cfg.data.augmentation, cfg.data.image_size), seed=3, backend="torchvision"
+    )
     tau = cfg.method.temperature
     batches: dict[tuple[str, str], list[dict]] = {}
     for r in values:

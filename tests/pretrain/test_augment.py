@@ -272,7 +272,7 @@ def train_root(synthetic_root):
 
 
 def test_a_samples_views_do_not_depend_on_its_batch(train_root):
-    ds = ImageDataset(train_root, build_view_transforms("byol", 24), seed=5)
+    ds = ImageDataset(train_root, build_view_transforms("byol", 24), seed=5, backend="torchvision")
     ds.set_epoch(3)
     alone = ds[7][0]
     for batch in ([7], [2, 7, 9], [9, 11, 7, 0, 1, 2, 3, 4]):
@@ -284,7 +284,7 @@ def test_a_samples_views_do_not_depend_on_its_batch(train_root):
 def test_loader_views_are_the_same_for_any_batch_size_and_worker_count(train_root, tmp_path):
     for cls in sorted(p.name for p in train_root.iterdir())[:2]:  # two classes keep the test short
         shutil.copytree(train_root / cls, tmp_path / cls)
-    ds = ImageDataset(tmp_path, build_view_transforms("simclr", 16), seed=0)
+    ds = ImageDataset(tmp_path, build_view_transforms("simclr", 16), seed=0, backend="torchvision")
     runs = []
     for batch, workers in ((4, 0), (12, 2)):
         loader = build_loader(ds, batch, seed=1, num_workers=workers)

@@ -37,8 +37,10 @@ def _views(dataset: ImageDataset, epoch: int, indices: list[int]) -> list[torch.
 def test_presets_equal_the_hand_written_pipelines_bit_for_bit(synthetic_root, preset, size, min_crop_scale):
     root = synthetic_root / "imagenet" / "train"
     for seed in (0, 3):
-        ours = ImageDataset(root, build_view_transforms(preset, size, min_crop_scale), seed=seed)
-        ref = ImageDataset(root, reference.build_view_transforms(preset, size, min_crop_scale), seed=seed)
+        ours = ImageDataset(root, build_view_transforms(preset, size, min_crop_scale), seed=seed, backend="torchvision")
+        ref = ImageDataset(
+            root, reference.build_view_transforms(preset, size, min_crop_scale), seed=seed, backend="torchvision"
+        )
         for epoch, indices in ((0, [0, 5, 17, 33]), (2, [7, 7, 250, 399])):
             got, want = _views(ours, epoch, indices), _views(ref, epoch, indices)
             assert len(got) == len(want) == 2
@@ -49,7 +51,7 @@ def test_multicrop_equals_the_hand_written_pipeline(synthetic_root):
     root = synthetic_root / "imagenet" / "train"
     args = (48, [48, 32, 16], [0.2, 0.15, 0.1], [1.0, 0.8, 0.5], 0.3)
     ours, ref = (
-        ImageDataset(root, build(*args), seed=1)
+        ImageDataset(root, build(*args), seed=1, backend="torchvision")
         for build in (build_multicrop_transforms, reference.build_multicrop_transforms)
     )
     got, want = _views(ours, 1, [3, 9, 100]), _views(ref, 1, [3, 9, 100])
@@ -60,8 +62,10 @@ def test_multicrop_equals_the_hand_written_pipeline(synthetic_root):
 def test_a_recipe_builds_the_views_of_its_config(synthetic_root):
     cfg = load_config(RECIPES / "tiny_simclr.yaml", ["data.image_size=24"])
     root = synthetic_root / "imagenet" / "train"
-    ours = ImageDataset(root, METHODS[cfg.method.name].view_transforms(cfg), seed=2)
-    ref = ImageDataset(root, reference.build_view_transforms("simclr", 24, cfg.data.min_crop_scale), seed=2)
+    ours = ImageDataset(root, METHODS[cfg.method.name].view_transforms(cfg), seed=2, backend="torchvision")
+    ref = ImageDataset(
+        root, reference.build_view_transforms("simclr", 24, cfg.data.min_crop_scale), seed=2, backend="torchvision"
+    )
     assert all(torch.equal(g, w) for g, w in zip(_views(ours, 1, [4, 8]), _views(ref, 1, [4, 8])))
 
 
@@ -87,7 +91,7 @@ def _dataset(tmp_path: Path, views_cfg: list[dict], seed: int = 0) -> ImageDatas
         folder.mkdir()
         for i in range(8):
             _asymmetric_image(folder / f"{i}.png")
-    return ImageDataset(folder, build_view_transforms("mocov2", 48, None, views_cfg), seed=seed)
+    return ImageDataset(folder, build_view_transforms("mocov2", 48, None, views_cfg), seed=seed, backend="torchvision")
 
 
 FULL_CROP = {"crop": {"scale": [1.0, 1.0], "ratio": [1.0, 1.0]}}

@@ -24,7 +24,7 @@ def test_device_views_are_the_references(synthetic_root, preset, decoder, monkey
     root = synthetic_root / "imagenet" / "train"
     views = build_view_transforms(preset, 32)
     indices = [0, 5, 17, 33, 250]
-    ref = collate(ImageDataset(root, views, seed=2).__getitems__(indices))[0]
+    ref = collate(ImageDataset(root, views, seed=2, backend="torchvision").__getitems__(indices))[0]
     encoded, labels, bad = collate(ImageDataset(root, views, seed=2, backend="device").__getitems__(indices))
     assert isinstance(encoded, EncodedBatch) and encoded.data[0].dim() == 1 and bad == []
     got = finish_views(encoded, views, CPU)
@@ -47,7 +47,7 @@ def test_device_draws_do_not_depend_on_workers_and_non_jpegs_are_sent_decoded(sy
         set_loader_epoch(loader, 1)
         runs.append([torch.cat(finish_views(b[0], views, CPU)) for b in loader])
     assert all(torch.equal(a, b) for a, b in zip(*runs)) and len(runs[0]) == 2
-    loader = build_loader(ImageDataset(tmp_path, views, seed=1), 8)
+    loader = build_loader(ImageDataset(tmp_path, views, seed=1, backend="torchvision"), 8)
     set_loader_epoch(loader, 1)
     for got, (ref_views, _, _) in zip(runs[0], loader):
         assert ((got - torch.cat(ref_views)) * STD * 255).abs().max() < 0.01

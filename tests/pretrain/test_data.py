@@ -1,6 +1,7 @@
 """pretrain.data: recipe parameters against docs/methods.md (Augmentation recipes), normalization, per-sample
 reproducibility (workers, epochs, resume), the sharded sampler, and robustness to bad files."""
 
+import inspect
 import shutil
 
 import pytest
@@ -10,6 +11,7 @@ from torchvision import transforms as T1  # v1 transforms: an independent refere
 from torchvision.transforms import v2
 
 from pretrain.augment import build_multicrop_transforms, build_view_transforms
+from pretrain.config import ENGINE_DEFAULTS
 from pretrain.data import (
     BadImageTracker,
     ImageDataset,
@@ -17,8 +19,10 @@ from pretrain.data import (
     build_loader,
     collate,
     eval_transform,
+    finish_views,
     set_loader_epoch,
 )
+from pretrain.data_backends import BACKENDS
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 BILINEAR, BICUBIC = v2.InterpolationMode.BILINEAR, v2.InterpolationMode.BICUBIC
@@ -192,21 +196,29 @@ def small_copy(train_root, tmp_path):
     return tmp_path / "data"
 
 
-def test_same_seed_epoch_index_same_views_and_global_rng_untouched(train_root):
-    a = ImageDataset(train_root, build_view_transforms("mocov2", 32), seed=3)
-    b = ImageDataset(train_root, build_view_transforms("mocov2", 32), seed=3)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_seed_epoch_index_same_views_and_global_rng_untouched(train_root, backend):
+    views = build_view_transforms("mocov2", 32)
+    a, b, c = (ImageDataset(train_root, views, seed=s, backend=backend) for s in (3, 3, 4))
+
+    def finished(ds, i):  # a sample's views as the device gets them, whichever backend made them
+        return finish_views(collate([ds[i]])[0], views, torch.device("cpu"))
+
     assert len(a) == len(list(train_root.rglob("*.JPEG"))) and a.classes == sorted(p.name for p in train_root.iterdir())
     state = torch.get_rng_state()
-    va, la, bad = a[5]
+    _, la, bad = a[5]
     assert torch.equal(torch.get_rng_state(), state), "sample seeding leaked into the global RNG"
-    vb, lb, _ = b[5]
-    assert bad == [] and la == lb == a.samples[5][1]
+    va, vb = finished(a, 5), finished(b, 5)
+    assert bad == [] and la == b[5][1] == a.samples[5][1]
     assert all(torch.equal(x, y) for x, y in zip(va, vb))
     assert not torch.equal(va[0], va[1]), "the two views should be different draws"
     b.set_epoch(1)
-    assert not torch.equal(b[5][0][0], va[0]), "a new epoch must give new augmentations"
-    c = ImageDataset(train_root, build_view_transforms("mocov2", 32), seed=4)
-    assert not torch.equal(c[5][0][0], va[0])
+    assert not torch.equal(finished(b, 5)[0], va[0]), "a new epoch must give new augmentations"
+    assert not torch.equal(finished(c, 5)[0], va[0])
+
+
+def test_the_datasets_default_backend_is_the_configs():
+    assert inspect.signature(ImageDataset).parameters["backend"].default == ENGINE_DEFAULTS["data"]["backend"]
 
 
 def _run(loader, epochs, start_batch=0):

@@ -246,8 +246,8 @@ def test_colour_stage_on_the_device_equals_the_workers(synthetic_root):
         build_view_transforms("byol", 24),
         build_multicrop_transforms(32, [32, 16], [0.2, 0.1], [1.0, 0.5]),
     ):
-        workers = ImageDataset(root, views, seed=4)
-        deferred = ImageDataset(root, views, seed=4, colour_on_device=True)
+        workers = ImageDataset(root, views, seed=4, backend="torchvision")
+        deferred = ImageDataset(root, views, seed=4, colour_on_device=True, backend="torchvision")
         for ds in (workers, deferred):
             ds.set_epoch(3)
         indices = [2, 11, 40, 41]

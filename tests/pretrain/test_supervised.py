@@ -35,7 +35,7 @@ def test_supervised_learns_the_labels_it_is_given(synthetic_root):
     cfg = load_config(RECIPE, [f"data.root={synthetic_root / 'imagenet' / 'train'}"], 1)
     views = METHODS["supervised"].view_transforms(cfg)
     assert len(views) == 1
-    dataset = ImageDataset(cfg.data.root, views, seed=0)
+    dataset = ImageDataset(cfg.data.root, views, seed=0, backend="torchvision")
     (images,), labels, _ = collate(dataset.__getitems__(range(0, len(dataset), len(dataset) // 20)[:20]))
     assert len(set(labels.tolist())) == 10  # every class in the batch: chance is ~10 %
 

@@ -26,23 +26,13 @@ from torch.multiprocessing.spawn import ProcessExitedException
 from contrastive_transfer.cli import OutputLock, UserError, write_json
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
+from contrastive_transfer.ranks import decided_by_rank0
 from transfer.detection.config import build_config, read_weights
 from transfer.detection.datasets import check_datasets, register_datasets
 from transfer.detection.trainer import BackboneCheckingCheckpointer, Trainer
 from transfer.features import file_digest
 
 HEADLINE = ("AP50", "AP", "AP75", "APs", "APm", "APl")
-
-
-def decided_by_rank0(value):
-    """Global rank 0's ``value`` on every process. Machines with their own disks can see different
-    files (a seed finished on machine 0 only): every decision that starts or skips collective work
-    must be the same everywhere, or the processes that went ahead wait forever."""
-    if comm.get_world_size() == 1:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _finite(value):
