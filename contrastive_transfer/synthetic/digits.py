@@ -13,12 +13,12 @@ download. One stratified split of them, deterministic for the seed, serves every
   placed so, 40 % (docs/datasets.md).
 * ``VOC2007/`` (trainval, its train/val halves, test) and ``VOC2012/`` (trainval): canvases of
   1-4 digits at 24-56 px on a noisy dark background. Trainval canvases hold digits of the train
-  split only, test canvases digits of the val split only. Digit d is annotated with the VOC class
-  name of index d (``VOC_CLASSES[d]``: aeroplane for 0, ..., cow for 9), as the synthetic shapes
-  are, because the detection configs train detectron2's 20 VOC classes. Boxes are tight around the
-  digit's pixels brighter than ``INK_THRESHOLD``; no object is difficult or truncated.
-  ``ImageSets/Main/<cls>_<split>.txt`` (1 present, −1 absent) exist for those 10 classes only:
-  the VOC07 SVM's multi-label split.
+  split only, test canvases digits of the val split only. Digit d is annotated with its own name
+  (``"0"`` ... ``"9"``), and ``ImageSets/Main/<d>_<split>.txt`` (1 present, −1 absent) exist for
+  those 10 classes: the VOC07 SVM's multi-label split and the class list detection reads
+  (``transfer.detection.datasets``: a detector of 10 classes, AP averaged over the 10 digits).
+  Boxes are tight around the digit's pixels brighter than ``INK_THRESHOLD``; no object is
+  difficult or truncated.
 
 Index ``i`` in file names is the digit's row in ``load_digits()``, so every image traces back to
 its source. ``manifest.json`` lists the split and every canvas's objects.
@@ -33,9 +33,9 @@ import numpy as np
 from PIL import Image
 
 from contrastive_transfer.progress import progress
-from contrastive_transfer.synthetic.voc import VOC_CLASSES, voc_xml
+from contrastive_transfer.synthetic.voc import voc_xml
 
-DIGIT_CLASSES = tuple(str(d) for d in range(10))  # the ImageFolder class folders
+DIGIT_CLASSES = tuple(str(d) for d in range(10))  # the ImageFolder class folders and the VOC class names
 INK_THRESHOLD = 32  # of 255: a box holds the digit's pixels above it (bilinear tails are fainter)
 SOURCE = {
     "loader": "sklearn.datasets.load_digits",
@@ -192,7 +192,7 @@ def write_voc_digits(root: Path, year: int, splits: dict, p: DigitsPreset, seed:
     main = root / "ImageSets" / "Main"
     main.mkdir(parents=True, exist_ok=True)
     (root / "Annotations").mkdir(parents=True, exist_ok=True)
-    summary: dict = {"classes": list(VOC_CLASSES[:10]), "splits": {}}
+    summary: dict = {"classes": list(DIGIT_CLASSES), "splits": {}}
     ids_of, anns, start = {}, {}, 1
     for split_id, (split, (n, pool)) in enumerate(splits.items()):
         ids = [f"{year}_{i:06d}" if year != 2007 else f"{i:06d}" for i in range(start, start + n)]
@@ -203,7 +203,7 @@ def write_voc_digits(root: Path, year: int, splits: dict, p: DigitsPreset, seed:
                 (seed, year, split_id, i), i % 10, deck, images, labels, p, root / "JPEGImages" / f"{image_id}.jpg"
             )
             (root / "Annotations" / f"{image_id}.xml").write_bytes(
-                voc_xml(root.name, image_id, ann, "UCI handwritten digits (sklearn.datasets.load_digits)")
+                voc_xml(root.name, image_id, ann, "UCI handwritten digits (sklearn.datasets.load_digits)", DIGIT_CLASSES)
             )
             anns[image_id] = {**ann, "digits": sources}
         ids_of[split] = ids
@@ -211,12 +211,12 @@ def write_voc_digits(root: Path, year: int, splits: dict, p: DigitsPreset, seed:
             ids_of["train"], ids_of["val"] = ids[0::2], ids[1::2]
     for split, ids in ids_of.items():
         (main / f"{split}.txt").write_text("".join(f"{i}\n" for i in ids))
-        for c, cls in enumerate(VOC_CLASSES[:10]):
+        for c, cls in enumerate(DIGIT_CLASSES):
             present = {i: any(o["class"] == c for o in anns[i]["objects"]) for i in ids}
             (main / f"{cls}_{split}.txt").write_text("".join(f"{i} {1 if present[i] else -1:2d}\n" for i in ids))
         summary["splits"][split] = {
             "ids": ids,
-            "objects": {i: [[VOC_CLASSES[o["class"]], 0] for o in anns[i]["objects"]] for i in ids},
+            "objects": {i: [[DIGIT_CLASSES[o["class"]], 0] for o in anns[i]["objects"]] for i in ids},
             "digits": {i: anns[i]["digits"] for i in ids},
         }
     return summary
@@ -240,4 +240,5 @@ def write_digits(out: Path, seed: int) -> dict:
 
 
 def config(seed: int) -> dict:
-    return {"seed": seed, "preset": "digits", **asdict(DIGITS)}
+    # voc_classes: a folder written when the digits carried VOC names (aeroplane..cow) is rewritten
+    return {"seed": seed, "preset": "digits", **asdict(DIGITS), "voc_classes": list(DIGIT_CLASSES)}

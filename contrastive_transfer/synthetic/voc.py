@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 
 VOC_CLASSES = (
     "aeroplane",
@@ -29,8 +30,13 @@ VOC_CLASSES = (
 
 
 def voc_xml(
-    folder: str, image_id: str, ann: dict, database: str = "synthetic shapes (contrastive_transfer.synthetic)"
+    folder: str,
+    image_id: str,
+    ann: dict,
+    database: str = "synthetic shapes (contrastive_transfer.synthetic)",
+    class_names: Sequence[str] = VOC_CLASSES,
 ) -> bytes:
+    """The VOC annotation of one image; object ``class`` c is named ``class_names[c]``."""
     root = ET.Element("annotation")
     ET.SubElement(root, "folder").text = folder
     ET.SubElement(root, "filename").text = f"{image_id}.jpg"
@@ -42,7 +48,7 @@ def voc_xml(
     ET.SubElement(root, "segmented").text = "0"
     for obj in ann["objects"]:
         node = ET.SubElement(root, "object")
-        ET.SubElement(node, "name").text = VOC_CLASSES[obj["class"]]
+        ET.SubElement(node, "name").text = class_names[obj["class"]]
         ET.SubElement(node, "pose").text = "Unspecified"
         ET.SubElement(node, "truncated").text = str(obj["truncated"])
         ET.SubElement(node, "difficult").text = str(obj["difficult"])

@@ -119,6 +119,13 @@ class VocLabels:
     images: ImageList
 
 
+def voc_class_files(main: Path, split: str) -> list[Path]:
+    """``main``'s ``<class>_<split>.txt`` files, sorted by class: the split's class list (names that
+    split by ``_`` into exactly two parts, as the FAIR tools do: this skips ``trainval.txt``). Read
+    by the SVM and by the detection sets' registration, so both see the same classes."""
+    return sorted(p for p in main.glob(f"*_{split}.txt") if len(p.stem.split("_")) == 2)
+
+
 def read_voc_labels(voc_root: str | os.PathLike, split: str) -> VocLabels:
     """Class order = sorted ``<cls>_<split>.txt`` names (only names that split by ``_`` into exactly
     two parts, as the FAIR tools do: this skips ``trainval.txt``); every class file must list the
@@ -129,7 +136,7 @@ def read_voc_labels(voc_root: str | os.PathLike, split: str) -> VocLabels:
         hint = f" (did you mean {voc_root / 'VOC2007'}?)" if (voc_root / "VOC2007").is_dir() else ""
         raise FileNotFoundError(f"{main}: missing; --voc-root must be a VOC2007 folder with "
                                 f"ImageSets/Main/<class>_<split>.txt and JPEGImages/{hint}")
-    files = sorted(p for p in main.glob(f"*_{split}.txt") if len(p.stem.split("_")) == 2)
+    files = voc_class_files(main, split)
     if not files:
         raise FileNotFoundError(f"{main}: no <class>_{split}.txt files (is '{split}' a split of this VOC folder?)")
     classes = [p.stem.split("_")[0] for p in files]

@@ -317,6 +317,29 @@ def build_config(
     return cfg, notes
 
 
+def fit_num_classes(cfg: CfgNode, classes: list[str] | None, opts: list[str]) -> tuple[CfgNode, list[str]]:
+    """`cfg` with the head sized by the data's `classes` (``MODEL.ROI_HEADS.NUM_CLASSES``, or
+    ``MODEL.RETINANET.NUM_CLASSES`` for RetinaNet) and the notice of the change. A config file's
+    count gives way to the data's (the VOC configs say 20; the digits have 10); a count given on the
+    command line that differs is refused: a head larger than the data trains classes that never
+    occur, a smaller one fails on the first label beyond it."""
+    key = "MODEL.RETINANET.NUM_CLASSES" if cfg.MODEL.META_ARCHITECTURE == "RetinaNet" else "MODEL.ROI_HEADS.NUM_CLASSES"
+    if classes is None or _get(cfg, key) == len(classes):
+        return cfg, []
+    shown = ", ".join(classes[:12]) + (", ..." if len(classes) > 12 else "")
+    if key in {k for k, _ in _pairs(list(opts))}:
+        raise ConfigError(
+            f"override {key} {_get(cfg, key)}: the datasets have {len(classes)} classes ({shown:.300}); "
+            "give their count or leave the key out (it is read from the data)"
+        )
+    cfg = cfg.clone()
+    cfg.defrost()
+    old = _get(cfg, key)
+    _set(cfg, key, len(classes))
+    cfg.freeze()
+    return cfg, [f"{key} {old} -> {len(classes)}: the datasets' classes ({shown:.300})"]
+
+
 def read_weights(path: str) -> dict:
     """Read ``MODEL.WEIGHTS`` as detectron2 will (``.pkl``: pickle with ``model`` and
     ``__author__``; other extensions: ``torch.load``) and fail with a one-line reason where

@@ -33,6 +33,7 @@ from contrastive_transfer.cli import UserError
 from contrastive_transfer.images import MAX_IMAGE_PIXELS  # noqa: F401  (sets Pillow's limit in every process)
 from contrastive_transfer.paths import inside
 from contrastive_transfer.untrusted import UnsafeFileError, check_file, read_untrusted
+from transfer.datasets.readers import voc_class_files
 
 
 class DatasetError(UserError, FileNotFoundError):
@@ -234,8 +235,9 @@ def _read_text(path: Path, name: str, kind: str) -> str:
         raise DatasetError(f"dataset {name}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _voc_record(name: str, base: Path, image_id: str) -> dict:
-    """One image's record as detectron2's load_voc_instances builds it, from a defusedxml parse."""
+def _voc_record(name: str, base: Path, image_id: str, classes: list[str]) -> dict:
+    """One image's record as detectron2's load_voc_instances builds it, from a defusedxml parse;
+    ``category_id`` is the object's index in ``classes``."""
     from detectron2.structures import BoxMode
 
     path = base / "Annotations" / f"{image_id}.xml"
@@ -258,8 +260,9 @@ def _voc_record(name: str, base: Path, image_id: str) -> dict:
     instances = []
     for obj in tree.findall("object"):
         cls = obj.findtext("name")
-        if cls not in VOC_CLASS_NAMES:
-            raise DatasetError(f"{where}: object class {cls!r} is not one of the 20 VOC classes")
+        if cls not in classes:
+            shown = "the 20 VOC classes" if classes == list(VOC_CLASS_NAMES) else f"this set's classes {classes}"
+            raise DatasetError(f"{where}: object class {cls!r:.40} is not one of {shown:.300}")
         try:
             bbox = [float(obj.findtext(f"bndbox/{k}")) for k in ("xmin", "ymin", "xmax", "ymax")]  # type: ignore[arg-type]
         except (TypeError, ValueError):
@@ -268,7 +271,7 @@ def _voc_record(name: str, base: Path, image_id: str) -> dict:
             raise DatasetError(f"{where}: a {cls} object whose <bndbox> is not finite ({bbox})")
         bbox[0] -= 1.0  # 1-based inclusive pixel indices, as detectron2 reads them
         bbox[1] -= 1.0
-        instances.append({"category_id": VOC_CLASS_NAMES.index(cls), "bbox": bbox, "bbox_mode": BoxMode.XYXY_ABS})
+        instances.append({"category_id": classes.index(cls), "bbox": bbox, "bbox_mode": BoxMode.XYXY_ABS})
     return {
         "file_name": os.path.join(str(base), "JPEGImages", image_id + ".jpg"),
         "image_id": image_id,
@@ -278,10 +281,19 @@ def _voc_record(name: str, base: Path, image_id: str) -> dict:
     }
 
 
+# A class list read from file names is capped: the box head is sized by it.
+MAX_VOC_CLASSES = 1000
+
+
 @dataclass(frozen=True)
 class VocSplit:
     """``<root>/<folder>/ImageSets/Main/<split>.txt`` listing ids of ``Annotations/<id>.xml``
-    and ``JPEGImages/<id>.jpg``. Year 2007 selects the VOC07 11-point AP in evaluation."""
+    and ``JPEGImages/<id>.jpg``. Year 2007 selects the VOC07 11-point AP in evaluation.
+
+    The classes are the data's (:meth:`classes`): the ``<cls>_<split>.txt`` files of the split, as
+    the VOC07 SVM reads them; real VOC (and the synthetic shapes) have the 20 VOC classes there, the
+    digits preset its 10 digits. Trained on 20 classes, 10 data never holds would each score AP 0
+    and halve every mean the VOC evaluator reports."""
 
     folder: str
     split: str
@@ -294,7 +306,25 @@ class VocSplit:
         base = root / self.folder
         return [base / "ImageSets" / "Main" / f"{self.split}.txt", base / "Annotations", base / "JPEGImages"]
 
-    def load(self, name: str, root: Path) -> list[dict]:
+    def classes(self, root: Path) -> list[str]:
+        """The split's class names: detectron2's order of the 20 VOC names where the class files name
+        exactly those (the order of every VOC model), else sorted (the SVM's order); the 20 VOC
+        names where the split has no class files (a VOC layout with the split lists only)."""
+        try:
+            names = [p.stem.split("_")[0] for p in voc_class_files(root / self.folder / "ImageSets" / "Main", self.split)]
+        except OSError:  # unreadable folder: check_datasets names it when the set is used
+            names = []
+        if not names or set(names) == set(VOC_CLASS_NAMES):
+            return list(VOC_CLASS_NAMES)
+        return names
+
+    def load(self, name: str, root: Path, classes: list[str] | None = None) -> list[dict]:
+        classes = self.classes(root) if classes is None else classes
+        if len(classes) > MAX_VOC_CLASSES:
+            raise DatasetError(
+                f"dataset {name}: {root / self.folder / 'ImageSets' / 'Main'} has {len(classes)} <class>_{self.split}.txt "
+                f"files, more than the {MAX_VOC_CLASSES} classes a detector here is sized for"
+            )
         base = root / self.folder
         listing = base / "ImageSets" / "Main" / f"{self.split}.txt"
         ids = _read_text(listing, name, "list").split()
@@ -309,12 +339,13 @@ class VocSplit:
         # detectron2's load_voc_instances, restated over defusedxml: its xml.etree parse turns entities
         # into tracebacks (and PascalVOCDetectionEvaluator parses the same files again: only files
         # this check accepted reach it), its np.loadtxt fails on a split of one id.
-        return _checked(name, base / "Annotations", [_voc_record(name, base, i) for i in ids])
+        return _checked(name, base / "Annotations", [_voc_record(name, base, i, classes) for i in ids])
 
     def register(self, name: str, root: Path) -> None:
-        DatasetCatalog.register(name, partial(self.load, name, root))
+        classes = self.classes(root)
+        DatasetCatalog.register(name, partial(self.load, name, root, classes))
         MetadataCatalog.get(name).set(
-            thing_classes=list(VOC_CLASS_NAMES),
+            thing_classes=classes,
             dirname=str(root / self.folder),
             year=self.year,
             split=self.split,
@@ -392,3 +423,22 @@ def check_datasets(names, root: str | os.PathLike | None = None, load: bool = Fa
                 )
         if load:
             DatasetCatalog.get(name)
+
+
+def dataset_classes(names) -> list[str] | None:
+    """The class list the registered datasets `names` share (their ``thing_classes``; None where none
+    has one): a model trains on one list and is evaluated with it, so sets with different lists are
+    refused, naming both."""
+    first, classes = None, None
+    for name in names:
+        these = MetadataCatalog.get(name).get("thing_classes")
+        if these is None:  # registered by the user's own code without classes: theirs to size
+            continue
+        if classes is None:
+            first, classes = name, list(these)
+        elif list(these) != classes:
+            raise DatasetError(
+                f"dataset {name} has the classes {list(these)[:12]!s:.300} but {first} has {classes[:12]!s:.300}: "
+                "the training and test sets need one class list (VOC: the ImageSets/Main/<class>_<split>.txt files)"
+            )
+    return classes

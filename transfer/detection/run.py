@@ -27,8 +27,8 @@ from contrastive_transfer.cli import OutputLock, UserError, write_json
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
 from contrastive_transfer.ranks import decided_by_rank0
-from transfer.detection.config import build_config, read_weights
-from transfer.detection.datasets import check_datasets, register_datasets
+from transfer.detection.config import build_config, fit_num_classes, read_weights
+from transfer.detection.datasets import check_datasets, dataset_classes, register_datasets
 from transfer.detection.trainer import BackboneCheckingCheckpointer, Trainer
 from transfer.features import file_digest
 
@@ -112,9 +112,13 @@ def worker(cfg: CfgNode, notes: list[str], args, skip_if_done: bool = False) -> 
         )
 
 
+def _dataset_names(cfg: CfgNode, args) -> list[str]:
+    return list(cfg.DATASETS.TEST) + ([] if args.eval_only else list(cfg.DATASETS.TRAIN))
+
+
 def check_inputs(cfg: CfgNode, args) -> None:
     """Everything that can be checked before any process starts training."""
-    names = list(cfg.DATASETS.TEST) + ([] if args.eval_only else list(cfg.DATASETS.TRAIN))
+    names = _dataset_names(cfg, args)
     check_datasets(names, args.data_root)
     # Read (and validate) every set now: a broken test set would otherwise surface after training,
     # a broken training set inside the launched processes as a traceback.
@@ -166,6 +170,9 @@ def run(args) -> dict:
     world_size = args.num_gpus * args.num_machines
     cfg, notes = build_config(args.config_file, args.opts, world_size, allow_network=args.allow_network)
     register_datasets(args.data_root)
+    # the head sized by the data's classes (the digits' 10, VOC's 20) before anything is built
+    cfg, sized = fit_num_classes(cfg, dataset_classes(_dataset_names(cfg, args)), args.opts or [])
+    notes = notes + sized
     check_inputs(cfg, args)
     with OutputLock(cfg.OUTPUT_DIR, "OUTPUT_DIR"):
         return _run_seeds(cfg, notes, args)
