@@ -55,9 +55,8 @@ DETECTION_NOTE = (
 DIGITS_NOTE = (
     "Detection: the FPN and heads fine-tuned for {iters} iterations on the backbone's frozen features "
     "(`configs/detection/tiny_voc0712_R_18_FPN_frozen.yaml`) on canvases of train-split digits, tested on "
-    "canvases of val-split digits. The digits 0-9 carry the VOC class names of indices 0-9, and the VOC "
-    "evaluator averages AP over all 20 VOC classes: the 10 without objects score 0, so each AP figure is "
-    "half the mean over the 10 digits (the difference between backbones is halved the same way)."
+    "canvases of val-split digits. The detector has the data's 10 classes, the digits 0-9 (read from the "
+    "VOC folder's class files), and the VOC evaluator averages AP over those 10 digits."
 )
 # The backbone frozen, the FPN and heads trained: what the features give detection within the demo's
 # budget. With the whole network trained (the paper's protocol), random init catches up with a

@@ -203,7 +203,9 @@ def write_voc_digits(root: Path, year: int, splits: dict, p: DigitsPreset, seed:
                 (seed, year, split_id, i), i % 10, deck, images, labels, p, root / "JPEGImages" / f"{image_id}.jpg"
             )
             (root / "Annotations" / f"{image_id}.xml").write_bytes(
-                voc_xml(root.name, image_id, ann, "UCI handwritten digits (sklearn.datasets.load_digits)", DIGIT_CLASSES)
+                voc_xml(
+                    root.name, image_id, ann, "UCI handwritten digits (sklearn.datasets.load_digits)", DIGIT_CLASSES
+                )
             )
             anns[image_id] = {**ann, "digits": sources}
         ids_of[split] = ids

@@ -311,7 +311,8 @@ class VocSplit:
         exactly those (the order of every VOC model), else sorted (the SVM's order); the 20 VOC
         names where the split has no class files (a VOC layout with the split lists only)."""
         try:
-            names = [p.stem.split("_")[0] for p in voc_class_files(root / self.folder / "ImageSets" / "Main", self.split)]
+            files = voc_class_files(root / self.folder / "ImageSets" / "Main", self.split)
+            names = [p.stem.split("_")[0] for p in files]
         except OSError:  # unreadable folder: check_datasets names it when the set is used
             names = []
         if not names or set(names) == set(VOC_CLASS_NAMES):
@@ -322,8 +323,8 @@ class VocSplit:
         classes = self.classes(root) if classes is None else classes
         if len(classes) > MAX_VOC_CLASSES:
             raise DatasetError(
-                f"dataset {name}: {root / self.folder / 'ImageSets' / 'Main'} has {len(classes)} <class>_{self.split}.txt "
-                f"files, more than the {MAX_VOC_CLASSES} classes a detector here is sized for"
+                f"dataset {name}: {root / self.folder / 'ImageSets' / 'Main'} has {len(classes)} "
+                f"<class>_{self.split}.txt files, more than the {MAX_VOC_CLASSES} classes a detector here is sized for"
             )
         base = root / self.folder
         listing = base / "ImageSets" / "Main" / f"{self.split}.txt"
