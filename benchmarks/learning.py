@@ -281,6 +281,34 @@ def row_hash(row: dict) -> str:
     return experiment_hash(experiment(row["config"])) if "config" in row else row["config_hash"]
 
 
+def run_folder(work: Path, preset: str, epochs: int) -> Path:
+    """Where a table's runs live under --work: ``<epochs>ep`` for the synthetic data (its folder of
+    before), ``<preset>_<epochs>ep`` for another."""
+    return work / (f"{epochs}ep" if preset == "small" else f"{preset}_{epochs}ep")
+
+
+def pretrain_run(recipe: str, epochs: int, seed: int, data: Path, run: Path, extra: tuple[str, ...] = ()):
+    """Pretrain ``recipe`` (+ ``extra``) at this budget into ``run/pretrain`` (a pretraining interrupted
+    midway resumes; a finished one is kept): (wall seconds, peak MiB, 5-minute load average) of the
+    pretraining, kept in ``run/pretrain_timing.json`` (the time of the resumed part only, if resumed)."""
+    overrides = [
+        f"data.root={data / 'imagenet' / 'train'}",
+        f"train.output_dir={run / 'pretrain'}",
+        *_budget(epochs, seed),
+        *extra,
+    ]
+    final, timing = run / "pretrain" / "checkpoint_final.pth", run / "pretrain_timing.json"
+    if final.is_file() and timing.is_file():  # pretrained before an evaluation was interrupted
+        return tuple(json.loads(timing.read_text()))
+    seconds, peak = run_logged(
+        [sys.executable, "-m", "pretrain", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides],
+        run / "pretrain.log",
+    )
+    load = os.getloadavg()[1]
+    timing.write_text(json.dumps([seconds, peak, load]))
+    return seconds, peak, load
+
+
 def measure(
     recipe: str,
     epochs: int,
@@ -301,24 +329,9 @@ def measure(
     if fresh and run.exists():
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
-    overrides = [
-        f"data.root={data / 'imagenet' / 'train'}",
-        f"train.output_dir={run / 'pretrain'}",
-        *_budget(epochs, seed),
-        *extra,
-    ]
-    cfg = load_config(RECIPES / f"{recipe}.yaml", overrides)
+    cfg = load_config(RECIPES / f"{recipe}.yaml", [*_budget(epochs, seed), *extra])
+    seconds, peak, load = pretrain_run(recipe, epochs, seed, data, run, extra)
     final = run / "pretrain" / "checkpoint_final.pth"
-    timing = run / "pretrain_timing.json"
-    if final.is_file() and timing.is_file():  # pretrained before an evaluation was interrupted
-        seconds, peak, load = json.loads(timing.read_text())
-    else:  # (a pretraining interrupted midway resumes: its time is then the resumed part only)
-        seconds, peak = run_logged(
-            [sys.executable, "-m", "pretrain", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides],
-            run / "pretrain.log",
-        )
-        load = os.getloadavg()[1]
-        timing.write_text(json.dumps([seconds, peak, load]))
     rows = [json.loads(line) for line in (run / "pretrain" / "metrics.jsonl").read_text().splitlines()]
     steps = max(r["step"] for r in rows if "loss" in r)
     pretrained = evaluate(final, data, run)
@@ -558,9 +571,7 @@ def main(argv: list[str] | None = None) -> None:
     args.epochs = args.epochs or preset.epochs
     data, out = Path(args.data or preset.root).resolve(), Path(args.out or preset.out)
     # the synthetic runs keep their folder of before (its rows are carried into the runs file)
-    work = Path(args.work).resolve() / (
-        f"{args.epochs}ep" if preset.name == "small" else f"{preset.name}_{args.epochs}ep"
-    )
+    work = run_folder(Path(args.work).resolve(), preset.name, args.epochs)
     ensure_data(data, preset.name)
     if preset.name == "small":
         carry_legacy_rows(work, args.runs, preset.name)

@@ -1,7 +1,7 @@
 """What pretraining buys downstream: one row per method family plus the supervised baseline and
 random init, every row at the same budget, every evaluation over several seeds.
 
-    python -m benchmarks.transfer [--rows tiny_simclr,random] [--seeds 3] [--fresh]
+    python -m benchmarks.transfer [--preset small|digits] [--rows tiny_simclr,random] [--seeds 3] [--fresh]
 
 Per row: pretrain the tiny recipe (6 epochs, seed 0, on the `small` synthetic ImageNet), then
 evaluate its backbone with kNN and the VOC07 SVM (deterministic: no seed), the `bn` linear probe
@@ -15,6 +15,15 @@ demo's detection budget.
 Rows are kept under --work, keyed by the hash of the recipe's resolved config at this budget (as
 in benchmarks/learning.py): an interrupted table resumes, an edited recipe is measured again.
 Writes --out (markdown) and a PNG beside it.
+
+``--preset digits`` (``benchmarks/transfer_digits.md``): the same evaluations on scikit-learn's real
+handwritten digits (``contrastive_transfer/synthetic/digits.py``), one row per tiny recipe plus
+random init, each pretrained as the digits learning table pretrains it (``benchmarks/learning.py
+--preset digits``: DIGITS_EPOCHS epochs at 32 px with the digits augmentation, seed 0). Its
+pretraining is not run twice: a row takes the learning table's seed-0 checkpoint under
+--learning-work when that was pretrained with the row's config (the hash of the config saved in the
+checkpoint); else it pretrains in its own run folder, as the learning table does. The synthetic table
+does the same with the learning table's synthetic runs.
 """
 
 from __future__ import annotations
@@ -25,17 +34,22 @@ import os
 import shutil
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import cell, cpu_name, mean_std
 from benchmarks.learning import (
-    EPOCHS,
-    RECIPES,
+    PRESETS,
+    DataPreset,
     _git_sha,
     config_hash,
-    ensure_small_synthetic,
+    ensure_data,
+    experiment_hash,
+    pretrain_run,
     random_init_record,
+    run_folder,
     run_logged,
+    tiny_recipes,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +71,30 @@ DETECTION_ITERS = 600
 CURVE_CONFIG = ROOT / "configs" / "detection" / "tiny_voc0712_R_18_FPN_syncbn.yaml"
 CURVE = {"rows": ("tiny_simclr", "random"), "iters": 1500, "every": 300, "seeds": 2}
 METRICS = ("knn", "svm", "probe", "AP50", "AP")
+
+
+@dataclass(frozen=True)
+class Table:
+    """One transfer table: the learning table's data preset it pretrains on (data, budget, recipe
+    overrides), its rows, its document and the pixel size of its random init."""
+
+    data: DataPreset
+    rows: tuple[str, ...]
+    out: str
+    random_size: int
+    epochs: int = 0  # the pretraining budget; 0: the data preset's
+
+    @property
+    def budget(self) -> int:
+        return self.epochs or self.data.epochs
+
+
+TABLES = {
+    "small": Table(PRESETS["small"], ROWS, "benchmarks/transfer.md", 64),
+    # every tiny recipe (the learning table's rows), random init last
+    "digits": Table(PRESETS["digits"], (*tiny_recipes(), "random"), "benchmarks/transfer_digits.md", 32),
+}
+SMALL = TABLES["small"]
 LABELS = {
     "knn": "kNN top-1",
     "svm": "VOC07 SVM mAP",
@@ -70,30 +108,43 @@ def _py(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def pretrain(row: str, data: Path, run: Path) -> Path:
-    """The row's backbone: the tiny recipe pretrained at the learning table's budget, or random init."""
+def pretrain(row: str, data: Path, run: Path, table: Table = SMALL, learning: Path | None = None) -> Path:
+    """The row's backbone: its own (what its evaluations so far read), else the learning table's
+    seed-0 checkpoint under ``learning`` (its --work) when pretrained with the row's config, else the
+    tiny recipe pretrained here as the learning table pretrains it; random init for ``random``."""
     final = run / "pretrain" / "checkpoint_final.pth"
     if final.is_file():
         return final
     if row == "random":
-        random_init_record(final, "resnet18", "imagenet", 64)
+        random_init_record(final, "resnet18", "imagenet", table.random_size)
         return final
-    overrides = [
-        f"data.root={data / 'imagenet' / 'train'}",
-        f"train.output_dir={run / 'pretrain'}",
-        f"train.epochs={EPOCHS}",
-        "train.seed=0",
-        "train.log_with=none",
-    ]
-    run_logged(_py("pretrain", "--config", str(RECIPES / f"{row}.yaml"), *overrides), run / "pretrain.log")
+    kept = learning_checkpoint(row, table, learning) if learning is not None else None
+    if kept is not None:
+        return kept
+    pretrain_run(row, table.budget, 0, data, run, table.data.overrides)
     return final
+
+
+def learning_checkpoint(row: str, table: Table, learning: Path) -> Path | None:
+    """The learning table's seed-0 ``checkpoint_final.pth`` of ``row`` under its --work folder, when
+    the config saved in it hashes to the row's (a run of an edited recipe is not this row's)."""
+    from contrastive_transfer.safe_load import torch_load
+
+    path = run_folder(learning, table.data.name, table.budget) / "runs" / row / "seed0" / "pretrain"
+    path = path / "checkpoint_final.pth"
+    if not path.is_file():
+        return None
+    from pretrain.config import experiment
+
+    saved = torch_load(path).get("config")
+    return path if isinstance(saved, dict) and experiment_hash(experiment(saved)) == row_hash(row, table) else None
 
 
 def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def evaluate(weights: Path, data: Path, run: Path, seeds: int) -> dict[str, list[float]]:
+def evaluate(weights: Path, data: Path, run: Path, seeds: int, iters: int = DETECTION_ITERS) -> dict[str, list[float]]:
     """{metric: [value per seed]} (one value for the deterministic kNN and SVM)."""
     imagenet, w = data / "imagenet", ["--weights", str(weights), "--workers", "0"]
     steps = {
@@ -117,7 +168,7 @@ def evaluate(weights: Path, data: Path, run: Path, seeds: int) -> dict[str, list
                       "--crop", "auto", "--seed", str(seed), "--output-dir", str(out), "--resume")  # fmt: skip
             run_logged(cmd, run / f"linear_{seed}.log")
         result["probe"].append(_json(out / "metrics.json")["top1"])
-    return {**result, **detection(weights, data, run, seeds, DETECTION_ITERS)}
+    return {**result, **detection(weights, data, run, seeds, iters)}
 
 
 def detection(weights: Path, data: Path, run: Path, seeds: int, iters: int, every: int = 0) -> dict:
@@ -155,26 +206,40 @@ def detection(weights: Path, data: Path, run: Path, seeds: int, iters: int, ever
     return result
 
 
-def measure(row: str, data: Path, work: Path, seeds: int, fresh: bool) -> dict:
+def measure(
+    row: str,
+    data: Path,
+    work: Path,
+    seeds: int,
+    fresh: bool,
+    table: Table = SMALL,
+    learning: Path | None = None,
+    iters: int = DETECTION_ITERS,
+) -> dict:
     run = work / "runs" / row
     if fresh and run.exists():
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
-    weights = pretrain(row, data, run)
-    values = evaluate(weights, data, run, seeds)
+    weights = pretrain(row, data, run, table, learning)
+    values = evaluate(weights, data, run, seeds, iters)
     return {
         "row": row,
         "values": values,
         "seeds": seeds,
-        "detection_iters": DETECTION_ITERS,
-        "config_hash": row_hash(row),
+        "detection_iters": iters,
+        "config_hash": row_hash(row, table),
+        "pretrained": str(weights),
         "git_sha": _git_sha(),
         "load_avg_5min": os.getloadavg()[1],
     }
 
 
-def row_hash(row: str) -> str:
-    return "random-resnet18-64px" if row == "random" else config_hash(row, EPOCHS)
+def row_hash(row: str, table: Table = SMALL) -> str:
+    """The random init's architecture and size, or the recipe's config hash at the table's budget
+    (the learning table's hash of its seed-0 run)."""
+    if row == "random":
+        return f"random-resnet18-{table.random_size}px"
+    return config_hash(row, table.budget, 0, table.data.overrides)
 
 
 def gain(values: list[float], base: list[float]) -> str:
@@ -185,21 +250,43 @@ def gain(values: list[float], base: list[float]) -> str:
     return f"{m - b:+.1f}" + (" ✓" if clear else "")
 
 
-def write_table(rows: dict[str, dict], out: Path, args) -> None:
-    measured = [r for r in ROWS if r in rows]
+def intro(table: Table, args) -> str:
+    """The table's protocol in one paragraph."""
+    iters = getattr(args, "detection_iters", DETECTION_ITERS)
+    if table.data.name == "small":
+        command = "`python -m benchmarks.transfer`"
+        data = (
+            "the `small` synthetic ImageNet (1500 images, 10 shape classes, 64 px; `random`: torchvision's "
+            "initialization, seed 0)"
+        )
+        detection = "the synthetic VOC07+12"
+    else:
+        command = f"`python -m benchmarks.transfer --preset {table.data.name}`"
+        data = (
+            f"{table.data.description}; the learning table's seed-0 checkpoint where it has one "
+            f"(`python -m benchmarks.learning --preset {table.data.name}`, the same config hash; `random`: "
+            f"torchvision's initialization, seed 0, at {table.random_size} px)"
+        )
+        detection = "canvases of train-split digits (VOC07+12 layout, the 10 digit classes), tested on val-split digits"
+    return (
+        f"{command}: each row pretrains its tiny recipe for {table.budget} epochs (seed 0) on {data}, then "
+        "evaluates the backbone: kNN (k 20) and the VOC07 SVM (res5avg, 128 px) are deterministic; the `bn` "
+        f"linear probe (10 epochs) and the FPN fine-tune on {detection} ({iters} iterations of 2 images at "
+        f"96 px on the frozen backbone, `configs/detection/{DETECTION_CONFIG.name}`, lr × 0.1 at 80 %) are "
+        f"mean ± sample std over {args.seeds} seeds of the fine-tune. Gain: over random init; ✓ where it exceeds "
+        f"twice its standard error. Machine: {cpu_name()}, {os.cpu_count()} cores; other jobs may have shared it "
+        "(each row's JSON under --work has the load average when it ended), which moves times, not figures."
+    )
+
+
+def write_table(rows: dict[str, dict], out: Path, args, table: Table = SMALL) -> None:
+    measured = [r for r in table.rows if r in rows]
     base = rows.get("random", {}).get("values")
+    heading = "" if table.data.name == "small" else f" on {table.data.heading}"
     lines = [
-        "# What pretraining buys: transfer of every method family, supervised and random init",
+        f"# What pretraining buys: transfer of every method family, supervised and random init{heading}",
         "",
-        f"`python -m benchmarks.transfer`: each row pretrains its tiny recipe for {EPOCHS} epochs (seed 0) "
-        "on the `small` synthetic ImageNet (1500 images, 10 shape classes, 64 px; `random`: torchvision's "
-        "initialization, seed 0), then evaluates the backbone: kNN (k 20) and the VOC07 SVM (res5avg, 128 px) "
-        f"are deterministic; the `bn` linear probe (10 epochs) and the FPN fine-tune on the synthetic VOC07+12 "
-        f"({DETECTION_ITERS} iterations of 2 images at 96 px on the frozen backbone, "
-        f"`configs/detection/{DETECTION_CONFIG.name}`, lr × 0.1 at 80 %) are mean ± sample std over "
-        f"{args.seeds} seeds of the fine-tune. Gain: over random init; ✓ where it exceeds twice its "
-        f"standard error. Machine: {cpu_name()}, {os.cpu_count()} cores; other jobs may have shared it (each "
-        "row's JSON under --work has the load average when it ended), which moves times, not figures.",
+        intro(table, args),
         "",
         "| row | " + " | ".join(LABELS[m] for m in METRICS) + " | " + " | ".join(f"gain {m}" for m in METRICS) + " |",
         "|---|" + "---|" * (2 * len(METRICS)),
@@ -209,13 +296,14 @@ def write_table(rows: dict[str, dict], out: Path, args) -> None:
         gains = [gain(v[m], base[m]) if base and row != "random" else "—" for m in METRICS]
         lines.append(f"| {row} | " + " | ".join(cell(v[m]) for m in METRICS) + " | " + " | ".join(gains) + " |")
     lines += svm_floor(Path(args.data))
-    missing = [r for r in ROWS if r not in rows]
+    missing = [r for r in table.rows if r not in rows]
     if missing:
         lines += ["", f"Not measured yet: {', '.join(missing)}."]
     lines += curve_table(rows)
-    lines += ["", DESIGN, "", f"![transfer]({out.with_suffix('.png').name})", ""]
+    design = DESIGN if table.data.name == "small" else DIGITS_DESIGN
+    lines += ["", design, "", f"![transfer]({out.with_suffix('.png').name})", ""]
     out.write_text("\n".join(lines))
-    _chart(rows, out.with_suffix(".png"))
+    _chart(rows, out.with_suffix(".png"), table)
 
 
 def svm_floor(data: Path) -> list[str]:
@@ -270,14 +358,23 @@ short side, placed anywhere, partly hidden, plus tiny ones; and the detector mus
 backbone that learned to tell the shapes apart from their outlines should start the fine-tune ahead
 of one that has to learn that from a few hundred detection batches."""
 
+DIGITS_DESIGN = """## Data design
 
-def _chart(rows: dict[str, dict], path: Path) -> None:
+Real handwriting, offline: scikit-learn's copy of the UCI digits, split once into train and val
+(stratified, `docs/datasets.md`). Pretraining, kNN and the probe read the ImageFolder (a digit placed
+at random in a 40-px image); the SVM and detection read canvases of 1-4 digits, trainval canvases
+drawn from train-split digits and test canvases from val-split digits, so no evaluation sees a digit
+that pretraining saw. The detector has the 10 digit classes (the VOC folder's class files), and
+the VOC evaluator averages AP over them."""
+
+
+def _chart(rows: dict[str, dict], path: Path, table: Table = SMALL) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r for r in ROWS if r in rows]
+    names = [r for r in table.rows if r in rows]
     curves = {r: rows[r]["curve"] for r in rows if "curve" in rows[r]}
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(14 if curves else 9, 4.5), squeeze=False)
     ax = axes[0][0]
@@ -308,49 +405,75 @@ def _chart(rows: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def measure_curve(data: Path, work: Path, rows: dict[str, dict]) -> None:
+def measure_curve(data: Path, work: Path, rows: dict[str, dict], table: Table = SMALL) -> None:
     for row in CURVE["rows"]:
         if row in rows and "curve" not in rows[row]:
             run = work / "runs" / row
-            result = detection(pretrain(row, data, run), data, run, CURVE["seeds"], CURVE["iters"], CURVE["every"])
+            weights = pretrain(row, data, run, table)
+            result = detection(weights, data, run, CURVE["seeds"], CURVE["iters"], CURVE["every"])
             rows[row]["curve"] = result["curve"]
             (work / "rows" / f"{row}.json").write_text(json.dumps(rows[row], indent=1))
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.transfer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default=None, help=f"comma-separated rows (default: all of {', '.join(ROWS)})")
+    parser.add_argument("--preset", default="small", choices=sorted(TABLES), help="the data (default small)")
+    parser.add_argument("--rows", default=None, help="comma-separated rows (default: all of the preset's: "
+                        f"{', '.join(ROWS)}; digits: every tiny recipe and random)")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=3, help="fine-tune seeds per evaluation (default 3)")
     parser.add_argument("--curve", action="store_true", help="also AP50 against iterations (demo recipe, random)")
-    parser.add_argument("--data", default="datasets/synthetic", help="synthetic data root (generated if missing)")
+    parser.add_argument("--data", default=None, help="data root, generated if missing (default datasets/synthetic, "
+                        "datasets/digits)")  # fmt: skip
     parser.add_argument("--work", default="outputs/bench_transfer", help="runs and measured rows")
-    parser.add_argument("--out", default="benchmarks/transfer.md")
+    parser.add_argument(
+        "--learning-work",
+        default="outputs/bench_learning",
+        help="benchmarks.learning's --work, whose seed-0 checkpoints are used where they have the row's config "
+        "(default %(default)s)",
+    )
+    parser.add_argument("--out", default=None, help="default benchmarks/transfer.md, transfer_digits.md")
+    parser.add_argument("--epochs", type=int, default=None, help="pretraining budget (default: the learning "
+                        "table's, 6; digits 20)")  # fmt: skip
+    parser.add_argument("--detection-iters", type=int, default=DETECTION_ITERS, help="default %(default)s")
     parser.add_argument("--fresh", action="store_true", help="measure the rows again")
-    args = parser.parse_args(argv)
-    chosen = args.rows.split(",") if args.rows else list(ROWS)
-    if set(chosen) - set(ROWS):
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    table = TABLES[args.preset]
+    table = Table(table.data, table.rows, table.out, table.random_size, args.epochs or 0)
+    chosen = args.rows.split(",") if args.rows else list(table.rows)
+    if set(chosen) - set(table.rows):
         raise SystemExit(
-            f"error: --rows {','.join(sorted(set(chosen) - set(ROWS)))}: expected some of {', '.join(ROWS)}"
+            f"error: --rows {','.join(sorted(set(chosen) - set(table.rows)))}: expected some of {', '.join(table.rows)}"
         )
-    data, work, out = Path(args.data).resolve(), Path(args.work).resolve(), Path(args.out)
-    ensure_small_synthetic(data)
+    data, out = Path(args.data or table.data.root).resolve(), Path(args.out or table.out)
+    # the synthetic table keeps its folder of before; another preset's goes beside it, by budget
+    work = Path(args.work).resolve()
+    work = work if table.data.name == "small" else run_folder(work, table.data.name, table.budget)
+    learning = Path(args.learning_work).resolve()
+    ensure_data(data, table.data.name)
     (work / "rows").mkdir(parents=True, exist_ok=True)
     rows = {p.stem: _json(p) for p in (work / "rows").glob("*.json")}
     for row in ["random", *[r for r in chosen if r != "random"]]:  # the baseline first: every gain needs it
         if row not in chosen and "random" in rows:
             continue
-        kept = rows.get(row)
-        if kept and not args.fresh and kept["config_hash"] == row_hash(row) and kept["seeds"] == args.seeds:
+        kept, current = rows.get(row), row_hash(row, table)
+        same = kept and kept["config_hash"] == current and kept["seeds"] == args.seeds
+        if same and not args.fresh and kept.get("detection_iters", DETECTION_ITERS) == args.detection_iters:
             print(f"{row}: measured before", flush=True)
             continue
         print(f"{row}: pretraining and evaluating ({args.seeds} seeds) ...", flush=True)
-        stale = kept is not None and kept["config_hash"] != row_hash(row)  # the recipe changed: start clean
-        rows[row] = measure(row, data, work, args.seeds, args.fresh or stale)
+        stale = kept is not None and kept["config_hash"] != current  # the recipe changed: start clean
+        rows[row] = measure(
+            row, data, work, args.seeds, args.fresh or stale, table=table, learning=learning, iters=args.detection_iters
+        )
         (work / "rows" / f"{row}.json").write_text(json.dumps(rows[row], indent=1))
-        write_table(rows, out, args)
+        write_table(rows, out, args, table)
     if args.curve:
-        measure_curve(data, work, rows)
-    write_table(rows, out, args)
+        measure_curve(data, work, rows, table)
+    write_table(rows, out, args, table)
     print(f"wrote {out}")
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import statistics
 
-from benchmarks import transfer
+from benchmarks import learning, transfer
+from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
 
 
 def _values(shift: float, spread: float) -> dict[str, list[float]]:
@@ -31,15 +32,15 @@ def test_rows_are_kept_by_hash_and_the_table_marks_clear_gains(tmp_path, monkeyp
     (tmp_path / "data" / "manifest.json").write_text("{}")
     calls = []
 
-    def fake_measure(row, data, work, seeds, fresh):
+    def fake_measure(row, data, work, seeds, fresh, **_):
         calls.append((row, fresh))
         shift, spread = {"random": (0.0, 1.0), "tiny_simclr": (10.0, 1.0), "tiny_mocov2": (1.0, 3.0)}[row]
         return {"row": row, "values": _values(shift, spread), "seeds": seeds, "config_hash": transfer.row_hash(row)}
 
     monkeypatch.setattr(transfer, "measure", fake_measure)
-    monkeypatch.setattr(transfer, "_chart", lambda rows, path: path.write_bytes(b"png"))
+    monkeypatch.setattr(transfer, "_chart", lambda rows, path, *_: path.write_bytes(b"png"))
     hashes = {"tiny_simclr": "a", "tiny_mocov2": "b"}
-    monkeypatch.setattr(transfer, "row_hash", lambda row: hashes.get(row, "random"))
+    monkeypatch.setattr(transfer, "row_hash", lambda row, table=None: hashes.get(row, "random"))
     out = tmp_path / "transfer.md"
     argv = ["--rows", "tiny_simclr,tiny_mocov2", "--data", str(tmp_path / "data"), "--work", str(tmp_path / "w")]
     transfer.main([*argv, "--out", str(out)])
@@ -75,3 +76,75 @@ def test_the_curve_takes_its_last_point_from_the_final_evaluation(tmp_path, monk
     assert result["AP50"] == [9.0, 11.0] and result["AP"] == [4.5, 5.5]
     table = transfer.curve_table({"tiny_simclr": result, "random": {"curve": {"300": [1.0], "600": [2.0, 4.0]}}})
     assert "| 300 | 4.0 ± 1.4 | 1.0 |" in table and "| 600 | 10.0 ± 1.4 | 3.0 ± 1.4 |" in table
+
+
+def _saved_checkpoint(path, recipe: str, overrides: list[str]) -> None:
+    """A checkpoint_final.pth whose saved config is the recipe resolved with ``overrides`` (what
+    pretrain saves), the paths of another machine included."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from pretrain.config import load_config
+
+    paths = [f"data.root={path.parent}/elsewhere", f"train.output_dir={path.parent}"]
+    cfg = OmegaConf.to_container(load_config(learning.RECIPES / f"{recipe}.yaml", [*paths, *overrides]))
+    path.parent.mkdir(parents=True)
+    torch.save({"config": cfg}, path)
+
+
+def test_digits_rows_take_the_learning_tables_checkpoint_only_with_their_config(tmp_path, monkeypatch):
+    table = transfer.TABLES["digits"]
+    assert table.rows == (*learning.tiny_recipes(), "random") and table.budget == learning.DIGITS_EPOCHS
+    # the row's hash is the learning table's for its seed-0 run on the digits
+    assert transfer.row_hash("tiny_simclr", table) == learning.config_hash(
+        "tiny_simclr", learning.DIGITS_EPOCHS, 0, PRETRAIN_OVERRIDES
+    )
+    budget = ["train.epochs=20", "train.seed=0", "train.log_with=none", *PRETRAIN_OVERRIDES]
+    lw = tmp_path / "bench_learning"
+    kept = lw / "digits_20ep" / "runs" / "tiny_simclr" / "seed0" / "pretrain" / "checkpoint_final.pth"
+    _saved_checkpoint(kept, "tiny_simclr", budget)
+    edited = lw / "digits_20ep" / "runs" / "tiny_mocov2" / "seed0" / "pretrain" / "checkpoint_final.pth"
+    _saved_checkpoint(edited, "tiny_mocov2", [*budget, "train.batch_size=8"])  # not the row's config
+    pretrained = []
+    monkeypatch.setattr(transfer, "pretrain_run", lambda *a: pretrained.append(a))
+    assert transfer.pretrain("tiny_simclr", tmp_path, tmp_path / "runs" / "tiny_simclr", table, lw) == kept
+    own = transfer.pretrain("tiny_mocov2", tmp_path / "data", tmp_path / "runs" / "tiny_mocov2", table, lw)
+    assert own == tmp_path / "runs" / "tiny_mocov2" / "pretrain" / "checkpoint_final.pth"
+    assert pretrained == [
+        ("tiny_mocov2", 20, 0, tmp_path / "data", tmp_path / "runs" / "tiny_mocov2", PRETRAIN_OVERRIDES)
+    ]
+    assert transfer.learning_checkpoint("tiny_simclr", transfer.SMALL, lw) is None  # another table's budget
+
+
+def test_the_digits_table_keeps_its_rows_beside_the_synthetic_ones(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text("{}")
+    calls = []
+
+    def fake_measure(row, data, work, seeds, fresh, table, learning, iters):
+        calls.append((row, work, table.data.name, learning, iters))
+        return {"row": row, "values": _values(10.0 if row != "random" else 0.0, 1.0), "seeds": seeds,
+                "config_hash": transfer.row_hash(row, table), "detection_iters": iters}  # fmt: skip
+
+    monkeypatch.setattr(transfer, "measure", fake_measure)
+    monkeypatch.setattr(transfer, "_chart", lambda rows, path, *_: path.write_bytes(b"png"))
+    monkeypatch.setattr(transfer, "row_hash", lambda row, table=None: f"{row}-{table.data.name}")
+    out = tmp_path / "transfer_digits.md"
+    argv = ["--preset", "digits", "--rows", "tiny_simclr,random", "--data", str(tmp_path / "data"),
+            "--work", str(tmp_path / "w"), "--learning-work", str(tmp_path / "lw"), "--out", str(out),
+            "--detection-iters", "20"]  # fmt: skip
+    transfer.main(argv)
+    work = tmp_path / "w" / "digits_20ep"
+    assert [c[0] for c in calls] == ["random", "tiny_simclr"]
+    assert all(c[1:] == (work, "digits", tmp_path / "lw", 20) for c in calls)
+    assert sorted(p.name for p in (work / "rows").iterdir()) == ["random.json", "tiny_simclr.json"]
+    transfer.main(argv)
+    assert len(calls) == 2  # kept
+    transfer.main([*argv[:-1], "600"])
+    assert len(calls) == 4  # another detection budget: measured again
+    table = out.read_text()
+    assert table.startswith("# What pretraining buys: transfer of every method family, supervised and random "
+                            "init on the real handwritten digits")  # fmt: skip
+    assert "`python -m benchmarks.transfer --preset digits`" in table and "| tiny_simclr |" in table
+    assert "Not measured yet: tiny_adco" in table
+    assert (tmp_path / "w" / "rows").exists() is False  # the synthetic table's rows untouched
