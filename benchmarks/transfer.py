@@ -129,15 +129,20 @@ def learning_checkpoint(row: str, table: Table, learning: Path) -> Path | None:
     """The learning table's seed-0 ``checkpoint_final.pth`` of ``row`` under its --work folder, when
     the config saved in it hashes to the row's (a run of an edited recipe is not this row's)."""
     from contrastive_transfer.safe_load import torch_load
+    from pretrain.config import experiment
 
     path = run_folder(learning, table.data.name, table.budget) / "runs" / row / "seed0" / "pretrain"
     path = path / "checkpoint_final.pth"
     if not path.is_file():
         return None
-    from pretrain.config import experiment
-
     saved = torch_load(path).get("config")
-    return path if isinstance(saved, dict) and experiment_hash(experiment(saved)) == row_hash(row, table) else None
+    if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict):
+        return None
+    # pretrain saves train.mixed_precision as it ran: a recipe's null (the launcher's choice) is saved as
+    # "no" by the plain `python -m pretrain` the learning table runs
+    as_recipe = {**saved, "train": {**saved["train"], "mixed_precision": None}}
+    kept = [saved, as_recipe] if saved["train"].get("mixed_precision") == "no" else [saved]
+    return path if row_hash(row, table) in {experiment_hash(experiment(c)) for c in kept} else None
 
 
 def _json(path: Path) -> dict:
