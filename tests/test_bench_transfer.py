@@ -79,8 +79,8 @@ def test_the_curve_takes_its_last_point_from_the_final_evaluation(tmp_path, monk
 
 
 def _saved_checkpoint(path, recipe: str, overrides: list[str]) -> None:
-    """A checkpoint_final.pth whose saved config is the recipe resolved with ``overrides`` (what
-    pretrain saves), the paths of another machine included."""
+    """A checkpoint_final.pth whose saved config is the recipe resolved with ``overrides`` as pretrain
+    saves it (the paths of another machine included)."""
     import torch
     from omegaconf import OmegaConf
 
@@ -88,6 +88,7 @@ def _saved_checkpoint(path, recipe: str, overrides: list[str]) -> None:
 
     paths = [f"data.root={path.parent}/elsewhere", f"train.output_dir={path.parent}"]
     cfg = OmegaConf.to_container(load_config(learning.RECIPES / f"{recipe}.yaml", [*paths, *overrides]))
+    cfg["train"]["mixed_precision"] = "no"  # pretrain saves what ran: a plain launch's "no" for the recipe's null
     path.parent.mkdir(parents=True)
     torch.save({"config": cfg}, path)
 
