@@ -193,13 +193,16 @@ def detection(weights: Path, data: Path, run: Path, seeds: int, iters: int, ever
         cmd = _py("transfer.detection", "--config-file", str(config), "--num-gpus", "1", "--seeds",
                   str(seeds), "--resume", "--data-root", str(data), *opts)  # fmt: skip
         run_logged(cmd, run / f"{name}.log")
-    per_seed = _json(out / "metrics.json")["per_seed"]
+    metrics = _json(out / "metrics.json")
+    # one seed: transfer.detection writes that run's own metrics.json in OUTPUT_DIR, no per_seed
+    per_seed = metrics["per_seed"] if "per_seed" in metrics else {str(metrics["seed"]): metrics["results"]}
+    folders = {s: out / f"seed_{s}" if "per_seed" in metrics else out for s in per_seed}
     bbox = [next(iter(results.values()))["bbox"] for results in per_seed.values()]
     result = {"AP50": [b["AP50"] for b in bbox], "AP": [b["AP"] for b in bbox]}
     if every:
         result["curve"] = {str(i): [] for i in range(every, iters + 1, every)}
         for seed in per_seed:
-            for line in (out / f"seed_{seed}" / "training_metrics.json").read_text().splitlines():
+            for line in (folders[seed] / "training_metrics.json").read_text().splitlines():
                 row = json.loads(line)
                 key = next((k for k in row if k.endswith("bbox/AP50")), None)
                 if key and str(row["iteration"] + 1) in result["curve"]:

@@ -149,3 +149,15 @@ def test_the_digits_table_keeps_its_rows_beside_the_synthetic_ones(tmp_path, mon
     assert "`python -m benchmarks.transfer --preset digits`" in table and "| tiny_simclr |" in table
     assert "Not measured yet: tiny_adco" in table
     assert (tmp_path / "w" / "rows").exists() is False  # the synthetic table's rows untouched
+
+
+def test_one_fine_tune_seed_reads_the_runs_own_metrics(tmp_path):
+    # transfer.detection with --seeds 1 writes that run's metrics.json in OUTPUT_DIR, without per_seed
+    out = tmp_path / "detection_10it_1seeds_every5"
+    out.mkdir()
+    (out / "training_metrics.json").write_text(json.dumps({"iteration": 4, "bbox/AP50": 1.0}))
+    results = {"voc_2007_test": {"bbox": {"AP50": 7.0, "AP": 3.0}}}
+    (out / "metrics.json").write_text(json.dumps({"seed": 0, "results": results}))
+    (tmp_path / "detectron2.pkl").write_bytes(b"")
+    result = transfer.detection(tmp_path / "w.pth", tmp_path, tmp_path, seeds=1, iters=10, every=5)
+    assert result == {"AP50": [7.0], "AP": [3.0], "curve": {"5": [1.0], "10": [7.0]}}
