@@ -700,7 +700,7 @@ def test_the_defusedxml_voc_reader_builds_detectron2s_records(detection, synthet
 
     voc = synthetic_root / "VOC2007"
     reference = load_voc_instances(str(voc), "test", CLASS_NAMES)
-    ours = [_voc_record("voc_2007_test", voc, str(r["image_id"])) for r in reference]
+    ours = [_voc_record("voc_2007_test", voc, str(r["image_id"]), list(CLASS_NAMES)) for r in reference]
     assert ours == reference and sum(len(r["annotations"]) for r in ours) > 0
 
 

@@ -89,3 +89,18 @@ def test_a_voc_layout_without_class_files_keeps_the_20_names(digits_root, regist
     (main / "test.txt").write_text((digits_root / "VOC2007/ImageSets/Main/test.txt").read_text())
     registered(tmp_path)
     assert MetadataCatalog.get("voc_2007_test").thing_classes == list(CLASS_NAMES)
+
+
+def test_a_class_list_beyond_the_cap_is_one_line(digits_root, registered, tmp_path):
+    import shutil
+
+    from transfer.detection.datasets import MAX_VOC_CLASSES, check_datasets
+
+    shutil.copytree(digits_root / "VOC2007", tmp_path / "VOC2007")
+    main = tmp_path / "VOC2007" / "ImageSets" / "Main"
+    listing = (main / "0_test.txt").read_text()
+    for c in range(MAX_VOC_CLASSES + 1 - 10):  # the head is sized by the class files: a flood is refused
+        (main / f"extra{c}_test.txt").write_text(listing)
+    registered(tmp_path)
+    with pytest.raises(DatasetError, match=rf"voc_2007_test: .* has {MAX_VOC_CLASSES + 1} <class>_test.txt files"):
+        check_datasets(["voc_2007_test"], tmp_path, load=True)
