@@ -18,7 +18,7 @@ from detectron2.utils.events import CommonMetricPrinter, JSONWriter, Tensorboard
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.preempt import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, Preempted, PreemptSignals
-from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
+from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
 
 logger = logging.getLogger("detectron2")
 
@@ -54,9 +54,10 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
     def _load_file(self, filename):
         # detectron2 unpickles .pkl files with plain pickle (detectron2#5456) and leaves torch.load's
         # weights_only to the torch default: inside the training processes every weights file goes
-        # through the same safe loaders as the check before training (contrastive_transfer.safe_load).
+        # through the project's one weights reader (safe_load.load_weights_file), as the check
+        # before training (config.read_weights) and the converters and evaluators do.
         if filename.endswith(".pkl"):
-            data = load_pickle(filename)
+            data = load_weights_file(filename)
             if isinstance(data, dict) and "model" in data and "__author__" in data:
                 return data
             if isinstance(data, dict) and "blobs" in data:  # Caffe2 / Detectron1 detection models
@@ -66,13 +67,13 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
             data = {k: v for k, v in data.items() if not k.endswith("_momentum")}
             return {"model": data, "__author__": "Caffe2", "matching_heuristics": True}
         if filename.endswith(".pyth"):  # pycls, read as detectron2 does but weights-only
-            data = torch_load(filename)
+            data = load_weights_file(filename)
             state = {k: v for k, v in data["model_state"].items() if not k.endswith("num_batches_tracked")}
             return {"model": state, "__author__": "pycls", "matching_heuristics": True}
         return super()._load_file(filename)
 
     def _torch_load(self, f):
-        return torch_load(f)
+        return load_weights_file(f)
 
     def _load_model(self, checkpoint):
         incompatible = super()._load_model(checkpoint)
