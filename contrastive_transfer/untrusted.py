@@ -221,19 +221,20 @@ def _view_problem(t: torch.Tensor, max_bytes: int | None = None) -> str | None:
     return None
 
 
-def tensor_problem(value: Any, integer_ok: bool = False, repeated_ok: bool = False) -> str | None:
+def tensor_problem(value: Any, integer_ok: bool = False) -> str | None:
     """Why ``value`` (a torch tensor or numpy array) is not usable as weights, or None.
 
     Layout, dtype, shape, strides and storage are checked first, from the metadata; only then are
     the elements read, for finiteness. Real floating point only (``integer_ok``: integers too,
-    e.g. BatchNorm counters); complex, bool and other dtypes are refused. A view that repeats
-    stored values (stride 0) is refused unless ``repeated_ok``: the caller has already bounded the
-    shape (e.g. by the architecture), so reading it costs no more than the model holds."""
+    e.g. BatchNorm counters); complex, bool and other dtypes are refused. Weights hold what they
+    show: a stride of 0 (one stored value repeated along a dimension) or a view beyond its
+    storage is refused, wherever weights are read (no real checkpoint has one; a crafted one
+    costs its whole shape in memory the moment it is read)."""
     if isinstance(value, np.ndarray):
         kind = value.dtype.kind
         if not (kind == "f" or (integer_ok and kind in "iu")):
             return f"has dtype {value.dtype}, expected real floating point weights"
-        if not repeated_ok and value.size > 1 and 0 in value.strides:
+        if _repeats(value.shape, value.strides):
             return f"has stride 0 (strides {value.strides}), expected stored values"
         return _non_finite(int(value.size - np.count_nonzero(np.isfinite(value))) if kind == "f" else 0, value.size)
     if not isinstance(value, torch.Tensor):
@@ -243,12 +244,19 @@ def tensor_problem(value: Any, integer_ok: bool = False, repeated_ok: bool = Fal
         return f"is {what} tensor, expected a dense tensor with values"
     if value.is_complex() or not (value.is_floating_point() or (integer_ok and _is_integer(value.dtype))):
         return f"has dtype {value.dtype}, expected real floating point weights"
-    problem = _view_problem(value, max_bytes=KINDS["weights"].cap if repeated_ok else None)
+    if _repeats(value.shape, value.stride()):
+        return f"has stride 0 (shape {tuple(value.shape)}, strides {tuple(value.stride())}), expected stored values"
+    problem = _view_problem(value)
     if problem is not None:
         return problem
     if not value.is_floating_point() or bool(torch.isfinite(value).all()):
         return None
     return _non_finite(int((~torch.isfinite(value)).sum()), value.numel())
+
+
+def _repeats(shape: Any, strides: Any) -> bool:
+    # a dimension of one element may have any stride: only a longer one repeats a stored value
+    return any(s == 0 and n > 1 for n, s in zip(shape, strides))
 
 
 def _is_integer(dtype: torch.dtype) -> bool:

@@ -297,7 +297,10 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
                 )
             _check_tensor(sd[k], k, source)
             v = sd[k].detach().cpu()
-            out[k] = v.float() if v.is_floating_point() else v
+            v = v.float() if v.is_floating_point() else v
+            # a view into a larger storage (weights tied or sliced from one buffer) gets its own:
+            # safetensors refuses tensors that share memory, and the backbone keeps no more than it holds
+            out[k] = v.clone() if v.untyped_storage().nbytes() != v.nbytes else v
     missing = [k for k in expected if k not in out]
     if missing:
         raise CheckpointError(
@@ -313,11 +316,10 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
 
 
 def _check_tensor(v: torch.Tensor, name: str, source: str) -> None:
-    """Dense, real floating point (counters excepted), a view within its storage, then finite:
-    anything else would fail later with a traceback, or worse, evaluate to chance without a word.
-    Its shape already matched the architecture, so a stride-0 view (one stored value repeated)
-    costs no more to read than the model holds: it is accepted here."""
-    problem = tensor_problem(v, integer_ok=name.endswith("num_batches_tracked"), repeated_ok=True)
+    """Dense, real floating point (counters excepted), stored values within its storage (no
+    stride 0), then finite: anything else would fail later with a traceback, or worse, evaluate to
+    chance without a word. The same rule as detection's (``untrusted.tensor_problem``)."""
+    problem = tensor_problem(v, integer_ok=name.endswith("num_batches_tracked"))
     if problem is not None:
         raise CheckpointError(f"{source}: {name} {problem}")
 

@@ -41,16 +41,38 @@ class Payload:
 # ------------------------------------------------------------------------------------ valid inputs
 
 
-def resnet18_state() -> dict[str, torch.Tensor]:
-    """A small-stem ResNet-18 state dict whose tensors repeat one stored value (a few kB on disk)."""
+def stored_views(shapes: dict[str, tuple[torch.Size, torch.dtype]], values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensors of the given shapes, each a contiguous view into one shared float storage (tensor i
+    starts at element i of ``values``; integer tensors are zeros of their own), so a whole ResNet
+    saves in the size of its largest tensor. Weights must hold what they show: a stride-0
+    expansion (one stored value repeated) is refused wherever weights are read, so the files the
+    tests write hold their values, and sharing one storage is what keeps them small (as tied
+    weights do in real checkpoints)."""
+    out = {}
+    for i, (name, (shape, dtype)) in enumerate(shapes.items()):
+        if not dtype.is_floating_point:
+            out[name] = torch.zeros(shape, dtype=dtype)
+            continue
+        numel = int(torch.Size(shape).numel())
+        assert values.numel() >= i + numel, "values too short for the shapes"
+        out[name] = values[i : i + numel].view(shape)
+    return out
+
+
+def model_shapes(arch: str, stem: str = "imagenet", fc: bool = False) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The state dict's shapes and dtypes of a torchvision ResNet (meta: nothing allocated)."""
     with torch.device("meta"):
-        net = torchvision.models.resnet18(weights=None)
-        net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
-    return {
-        k: torch.full((1,), 0.01, dtype=v.dtype).expand(v.shape) if v.dim() else torch.tensor(0)
-        for k, v in net.state_dict().items()
-        if not k.startswith("fc.")
-    }
+        net = getattr(torchvision.models, arch)(weights=None)
+        if stem == "small":
+            net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    return {k: (v.shape, v.dtype) for k, v in net.state_dict().items() if fc or not k.startswith("fc.")}
+
+
+def resnet18_state() -> dict[str, torch.Tensor]:
+    """A small-stem ResNet-18 state dict holding 0.01 everywhere, in one shared storage (a few MiB)."""
+    shapes = model_shapes("resnet18", "small")
+    largest = max(int(torch.Size(s).numel()) for s, _ in shapes.values())
+    return stored_views(shapes, torch.full((largest + len(shapes),), 0.01))
 
 
 def torch_bytes(obj) -> bytes:

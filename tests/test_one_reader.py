@@ -24,10 +24,10 @@ DETECTION_ACCEPTS = {"d2.pkl", "d2_model.pth"}
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
     """name -> path of every file the project's commands write from one pretraining checkpoint."""
+    import torchvision
+
     from converters import legacy_to_safe, to_detectron2, to_torchvision
     from converters.to_detectron2 import detectron2_name
-
-    import torchvision
 
     root = tmp_path_factory.mktemp("outputs")
     torch.manual_seed(0)  # stored values (no stride-0 views: weights must hold what they show)
@@ -94,3 +94,49 @@ def test_control_detection_read_safetensors_as_a_pickle_and_torchvision_names_pa
     assert "if you trust its source" in str(e.value) or "load key" in str(e.value)
     loaded = torch_load(files["tv.pth"])
     assert "conv1.weight" in loaded and not any(k.startswith("stem.") for k in loaded)
+
+
+def test_stride0_weights_are_refused_by_the_converters_evaluators_and_detection(tmp_path):
+    """A weight of the right shape that repeats one stored value: the file is a few kB, reading it
+    costs its whole shape. Refused from the metadata wherever weights are read, naming the tensor."""
+    pytest.importorskip("detectron2")
+    from contrastive_transfer.errors import ConfigError
+    from contrastive_transfer.untrusted import check_loaded_tensors
+    from converters.checkpoint_io import CheckpointError, load_backbone
+    from converters.to_detectron2 import detectron2_name
+    from transfer.detection.config import read_weights
+
+    from .hostile import resnet18_state
+
+    sd = resnet18_state()
+    sd["layer4.1.conv2.weight"] = torch.full((1,), 0.5).expand(512, 512, 3, 3)
+    torch.save(sd, tmp_path / "tv.pth")
+    torch.save({"model": {detectron2_name(k): v for k, v in sd.items()}}, tmp_path / "d2.pth")
+    # control: the attack is live without the rule; the file is ~1000x smaller than what it shows,
+    # and the storage check alone (what other kinds of state get) lets it through
+    loaded = torch.load(tmp_path / "tv.pth", weights_only=True)
+    shown = loaded["layer4.1.conv2.weight"].contiguous().nbytes
+    assert shown > 1000 * loaded["layer4.1.conv2.weight"].untyped_storage().nbytes()
+    check_loaded_tensors(loaded, tmp_path / "tv.pth", "weights")
+    with pytest.raises(
+        CheckpointError, match=r"tv\.pth: layer4\.1\.conv2\.weight has stride 0 .*expected stored values"
+    ):
+        load_backbone(tmp_path / "tv.pth")
+    with pytest.raises(ConfigError, match=r"d2\.pth: res5\.1\.conv2\.weight has stride 0 .*expected stored values"):
+        read_weights(str(tmp_path / "d2.pth"))
+
+
+def test_tied_weights_in_one_storage_convert_to_safetensors(tmp_path):
+    """Tensors that share a storage (tied weights) are contiguous views, not repeats: they are read,
+    and each gets its own storage (safetensors refuses shared memory)."""
+    from safetensors.torch import load_file
+
+    from converters import to_torchvision
+
+    from .hostile import model_shapes, stored_views
+
+    sd = stored_views(model_shapes("resnet18"), torch.arange(3_000_000, dtype=torch.float32))
+    torch.save(sd, tmp_path / "tied.pth")
+    to_torchvision.convert(tmp_path / "tied.pth", tmp_path / "out.safetensors")
+    out = load_file(tmp_path / "out.safetensors")
+    assert all(torch.equal(out[k], v.float() if v.is_floating_point() else v) for k, v in sd.items())
