@@ -44,6 +44,7 @@ __all__ = [
     "check_archive",
     "check_loaded_tensors",
     "tensor_problem",
+    "walk_tensors",
 ]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -164,14 +165,15 @@ def read_untrusted(path: str | os.PathLike, kind: str) -> bytes:
     return data
 
 
-def check_archive(f: IO[bytes], path: str | os.PathLike, kind: str) -> None:
-    """A zip archive's records against their declared sizes, before anything inflates them.
-    Files that are not zip archives pass (their own reader judges them)."""
+def check_archive(f: IO[bytes], path: str | os.PathLike, kind: str) -> bool:
+    """A zip archive's records against their declared sizes, before anything inflates them; True
+    when ``f`` is a zip archive. Files that are not zip archives pass (their own reader judges
+    them)."""
     spec = _kind(kind)
     f.seek(0)
     if not zipfile.is_zipfile(f):
         f.seek(0)
-        return
+        return False
     try:
         with zipfile.ZipFile(f) as archive:
             records = archive.infolist()
@@ -194,6 +196,7 @@ def check_archive(f: IO[bytes], path: str | os.PathLike, kind: str) -> None:
                 f"archive record {info.filename!r} inflates {_size(info.compress_size)} to {_size(info.file_size)} "
                 f"(more than {MAX_INFLATION}x): a crafted archive, not a file torch.save wrote",
             )
+    return True
 
 
 # ----------------------------------------------------------------------------------------- tensors
@@ -272,20 +275,27 @@ def _non_finite(bad: int, total: int) -> str | None:
     )
 
 
-def check_loaded_tensors(obj: Any, path: str | os.PathLike, kind: str) -> None:
-    """Every dense tensor anywhere in a loaded file views only what its storage holds, and one
-    that repeats stored values (stride 0) describes no more than ``kind``'s cap: from the
-    metadata, nothing is read. The walk is iterative: nesting cannot exhaust the stack."""
-    cap = _kind(kind).cap
+def walk_tensors(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(where, tensor) for every tensor anywhere in a loaded file's containers. The walk is
+    iterative: nesting cannot exhaust the stack."""
     stack: list[tuple[Any, str]] = [(obj, "")]
     while stack:
         item, where = stack.pop()
         if isinstance(item, torch.Tensor):
-            if item.layout == torch.strided and not item.is_meta:
-                problem = _view_problem(item, max_bytes=cap)
-                if problem is not None:
-                    raise _refuse(path, f"tensor {where or '(top level)'} {problem}")
+            yield where or "(top level)", item
         elif isinstance(item, dict):
             stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+
+
+def check_loaded_tensors(obj: Any, path: str | os.PathLike, kind: str) -> None:
+    """Every dense tensor anywhere in a loaded file views only what its storage holds, and one
+    that repeats stored values (stride 0) describes no more than ``kind``'s cap: from the
+    metadata, nothing is read."""
+    cap = _kind(kind).cap
+    for where, item in walk_tensors(obj):
+        if item.layout == torch.strided and not item.is_meta:
+            problem = _view_problem(item, max_bytes=cap)
+            if problem is not None:
+                raise _refuse(path, f"tensor {where} {problem}")

@@ -110,6 +110,17 @@ def zip_bomb(valid: bytes) -> bytes:
     return _zip(entries)
 
 
+def legacy_declaring(numel: int) -> bytes:
+    """A torch legacy-format (not zip) file of a few hundred bytes whose pickle declares a storage
+    of ``numel`` floats: torch's legacy reader allocates what is declared before reading a byte."""
+    buffer = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buffer, _use_new_zipfile_serialization=False)
+    data = buffer.getvalue()
+    # the storage's persistent id: ('storage', FloatStorage, key, 'cpu', numel=4 (BININT1), None)
+    at = data.index(b"K\x04", data.index(b"X\x03\x00\x00\x00cpu"))
+    return data[:at] + b"J" + struct.pack("<i", numel) + data[at + 2 :]
+
+
 def _zip(entries: list[tuple[str, bytes, int, int, int]]) -> bytes:
     """A zip32 archive of (name, stored bytes, method, uncompressed size, crc) records."""
     out, central = io.BytesIO(), io.BytesIO()
@@ -179,6 +190,7 @@ def _torch_mutants(valid: Callable[[], dict], weights: bool) -> list[tuple[str, 
         ("truncated", _bytes(lambda: torch_bytes(valid())[:200])),
         ("zip_bomb", _bytes(lambda: zip_bomb(torch_bytes(valid())))),
         ("stride0_16GiB", _bytes(with_tensor(torch.zeros(1, dtype=torch.float64).expand(1 << 31)))),
+        ("legacy_declares_4GiB", _bytes(lambda: legacy_declaring(1 << 30))),
         ("top_level_list", _bytes(lambda: torch_bytes([1, 2, 3]))),
         ("payload", lambda path: path.write_bytes(pickle.dumps({"x": Payload(path.parent / "MARKER")}))),
     ]

@@ -34,7 +34,16 @@ from pathlib import Path
 
 import pytest
 
-from .hostile import BOMB_INFLATED, SPECIAL, bomb_jpeg, mutants, resnet18_state, torch_bytes, zip_bomb
+from .hostile import (
+    BOMB_INFLATED,
+    SPECIAL,
+    bomb_jpeg,
+    legacy_declaring,
+    mutants,
+    resnet18_state,
+    torch_bytes,
+    zip_bomb,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORY_CAP = 2 << 30  # RLIMIT_DATA of every child: its heap and anonymous mappings
@@ -392,14 +401,17 @@ def test_control_a_fifo_blocks_a_plain_open(tmp_path):
 
 def test_control_dev_zero_and_a_zip_bomb_and_a_stride0_view_take_memory_without_the_gate(tmp_path):
     """Without the gate: reading /dev/zero runs into the memory cap; torch.load inflates the
-    crafted record; a 4-byte storage viewed as 2^31 values costs 2 GiB once isfinite reads it. The
+    crafted record; a 4-byte storage viewed as 2^31 values costs 2 GiB once isfinite reads it; a
+    legacy-format file of 368 bytes has torch.load (weights_only) allocate the 4 GiB it declares. The
     project's checks refuse the same files from their metadata (the assertions after the child)."""
     import torch
 
+    from contrastive_transfer.safe_load import torch_load
     from contrastive_transfer.untrusted import UnsafeFileError, check_archive, check_loaded_tensors, read_untrusted
 
-    bomb, view = tmp_path / "bomb.pth", tmp_path / "view.pth"
+    bomb, view, legacy = tmp_path / "bomb.pth", tmp_path / "view.pth", tmp_path / "legacy.pth"
     bomb.write_bytes(zip_bomb(torch_bytes({"w": torch.zeros(1)})))
+    legacy.write_bytes(legacy_declaring(1 << 30))
     view.write_bytes(torch_bytes({"w": torch.zeros(1).expand(1 << 31)}))
     script = f"""
 import json, torch
@@ -408,6 +420,7 @@ for name, attack in [
     ("dev_zero", lambda: open("/dev/zero", "rb").read()),
     ("zip_bomb", lambda: torch.load({str(bomb)!r}, weights_only=True)),
     ("stride0", lambda: torch.isfinite(torch.load({str(view)!r}, weights_only=True)["w"]).all()),
+    ("legacy", lambda: torch.load({str(legacy)!r}, weights_only=True)),
 ]:
     try:
         attack()
@@ -423,11 +436,13 @@ print(json.dumps(out))
     assert outcome["dev_zero"].startswith("MemoryError"), outcome
     assert "alloc" in outcome["zip_bomb"].lower() or outcome["zip_bomb"].startswith("MemoryError"), outcome
     assert "alloc" in outcome["stride0"].lower(), outcome
+    assert "alloc" in outcome["legacy"].lower() and legacy.stat().st_size < 1000, outcome
     # the gate: each refused from sizes alone
     for path, check in [
         (Path("/dev/zero"), lambda p: read_untrusted(p, "weights")),
         (bomb, lambda p: check_archive(open(p, "rb"), p, "weights")),
         (view, lambda p: check_loaded_tensors(torch.load(p, weights_only=True), p, "weights")),
+        (legacy, torch_load),
     ]:
         with pytest.raises(UnsafeFileError) as e:
             check(path)
