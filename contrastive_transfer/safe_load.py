@@ -229,7 +229,7 @@ def _check_legacy_storages(f: IO[bytes], path: str | os.PathLike) -> None:
         is_tar = False
     if is_tar:
         raise UnsafeFileError(
-            f"{path}: a torch file in the tar format of torch < 0.4, not read (its reader allocates whatever sizes "
+            f"{path}: a torch file in the tar format of torch < 0.4, not read (its reader reserves whatever sizes "
             "the file states); if you trust it, load it with that torch and torch.save it again (zip format)"
         )
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -244,7 +244,7 @@ def _check_legacy_storages(f: IO[bytes], path: str | os.PathLike) -> None:
     if sum(declared.values()) > size:
         raise UnsafeFileError(
             f"{path}: declares {sum(declared.values())} bytes of tensor storage in a file of {size} bytes "
-            "(torch's legacy format allocates what it declares before reading): a truncated or crafted file; "
+            "(torch's legacy reader reserves what is declared before reading a byte): a truncated or crafted file; "
             "use a complete copy"
         )
 

@@ -210,13 +210,13 @@ def _pkl(model: dict) -> Callable[[], bytes]:
     return lambda: pickle.dumps({"model": model, "__author__": "x", "matching_heuristics": True}, protocol=2)
 
 
-def bomb_png() -> bytes:
-    """69 bytes whose header claims 100000 x 100000 pixels."""
+def bomb_png(width: int = 100_000, height: int = 100_000) -> bytes:
+    """69 bytes whose header claims ``width`` x ``height`` pixels (10^10 unless told)."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 

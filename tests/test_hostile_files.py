@@ -38,6 +38,7 @@ from .hostile import (
     BOMB_INFLATED,
     SPECIAL,
     bomb_jpeg,
+    bomb_png,
     legacy_declaring,
     mutants,
     resnet18_state,
@@ -521,3 +522,37 @@ def test_detection_datasets_refuse_special_files_in_one_line(target, special, sy
     finally:
         register_datasets()
     assert "\n" not in str(e.value) and str(path) in str(e.value) and "expected" in str(e.value), str(e.value)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # refused just after
+def test_detection_mapper_checks_the_pixel_count_before_detectron2_decodes(tmp_path):
+    """The images detectron2 opens itself (its DatasetMapper's read_image) get the gate and the
+    header check too. Control: Pillow's own guard only warns below twice its limit, so detectron2
+    decodes a 69-byte PNG claiming 23000 x 23000 pixels into the memory cap."""
+    pytest.importorskip("detectron2")
+    from detectron2.config import get_cfg
+
+    from transfer.detection.trainer import ImageCheckingMapper
+
+    path = tmp_path / "big.png"
+    path.write_bytes(bomb_png(23_000, 23_000))
+    mapper = ImageCheckingMapper(get_cfg(), is_train=False)
+    with pytest.raises(OSError) as e:
+        mapper({"file_name": str(path), "height": 23_000, "width": 23_000, "image_id": 0})
+    assert str(e.value).startswith(f"cannot read image {path}: its header claims 23000x23000 pixels"), str(e.value)
+    assert "\n" not in str(e.value)
+    script = f"""
+import resource, warnings
+resource.setrlimit(resource.RLIMIT_DATA, ({MEMORY_CAP}, {MEMORY_CAP}))
+import contrastive_transfer.images  # Pillow's limit, as in detection's processes
+from detectron2.data.detection_utils import read_image
+warnings.simplefilter("ignore")
+try:
+    read_image({str(path)!r}, format="BGR")
+    print("decoded")
+except BaseException as e:
+    print(type(e).__name__, str(e)[:200])
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIME_CAP, env=env)
+    assert proc.stdout.startswith("MemoryError"), proc.stdout + proc.stderr[-2000:]

@@ -10,13 +10,14 @@ import weakref
 
 import torch
 from detectron2.checkpoint import DetectionCheckpointer
-from detectron2.data import MetadataCatalog
+from detectron2.data import DatasetMapper, MetadataCatalog, build_detection_test_loader, build_detection_train_loader
 from detectron2.engine import AMPTrainer, DefaultTrainer, HookBase, SimpleTrainer, TrainerBase, create_ddp_model
 from detectron2.evaluation import COCOEvaluator, PascalVOCDetectionEvaluator
 from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.images import check_image
 from contrastive_transfer.preempt import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, Preempted, PreemptSignals
 from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
 
@@ -126,6 +127,18 @@ class PreemptHook(HookBase):
         raise Preempted(name)
 
 
+class ImageCheckingMapper(DatasetMapper):
+    """detectron2's DatasetMapper, after the project's image check (``images.check_image``): the
+    file through the gate (a FIFO swapped in after the datasets were checked is refused, not
+    waited on) and its pixel count from the header before detectron2 decodes it. Pillow alone
+    decodes a header claiming up to 2^29 pixels (a 1.6 GB RGB array) with a warning, and above
+    that raises an error that is no OSError (a traceback in a data worker)."""
+
+    def __call__(self, dataset_dict):
+        check_image(dataset_dict["file_name"])
+        return super().__call__(dataset_dict)
+
+
 class Trainer(DefaultTrainer):
     def __init__(self, cfg):
         # DefaultTrainer.__init__, except for two lines: DDP gets `device_ids` only for a CUDA
@@ -152,6 +165,14 @@ class Trainer(DefaultTrainer):
         # checkpointer and the evaluation (a long evaluation would eat the grace period).
         hooks.insert(2, PreemptHook())
         return hooks
+
+    @classmethod
+    def build_train_loader(cls, cfg):
+        return build_detection_train_loader(cfg, mapper=ImageCheckingMapper(cfg, is_train=True))
+
+    @classmethod
+    def build_test_loader(cls, cfg, dataset_name):
+        return build_detection_test_loader(cfg, dataset_name, mapper=ImageCheckingMapper(cfg, is_train=False))
 
     @classmethod
     def build_evaluator(cls, cfg, dataset_name, output_folder=None):
