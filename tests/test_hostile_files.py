@@ -47,7 +47,12 @@ from .hostile import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-MEMORY_CAP = 2 << 30  # RLIMIT_DATA of every child: its heap and anonymous mappings
+MiB = 1 << 20
+# RLIMIT_DATA of every child: its heap and anonymous mappings. Not RLIMIT_AS: importing torch and
+# torchvision maps 3.4 GiB of address space (VmSize) of which ~680 MiB is resident, so an address
+# space cap of 2 GiB stops the import ("libtorch_cpu.so: failed to map segment"), not an attack.
+MEMORY_CAP = 2 << 30
+PEAK_RSS_LIMIT = 1 << 30  # the issue's bound on every case's peak resident memory (ru_maxrss)
 TIME_CAP = 180  # seconds per child: a hang ends the test here (the 2 shared CI cores are slow)
 SEED = int(os.environ.get("HOSTILE_SEED", "38"))
 SAMPLE = int(os.environ.get("HOSTILE_SAMPLE", "2"))
@@ -299,6 +304,57 @@ def _limits() -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (MEMORY_CAP, MEMORY_CAP))
 
 
+# Runs argv and reports its peak resident memory. Measured in a grandchild of this (large) test
+# process: Linux carries a process's RSS high-water mark across exec, so a child forked from
+# pytest (which has torch loaded) would report pytest's resident memory as its own peak; a child
+# forked from this small launcher starts from the launcher's few MiB. wait4's ru_maxrss covers the
+# child and the processes it waited for (data workers).
+_LAUNCHER = """
+import os, signal, subprocess, sys
+fd, argv = int(sys.argv[1]), sys.argv[2:]
+child = subprocess.Popen(argv)
+_, status, usage = os.wait4(child.pid, 0)
+os.write(fd, str(usage.ru_maxrss).encode())
+code = os.waitstatus_to_exitcode(status)
+if code < 0:  # killed by a signal: end the same way, so the caller sees it
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def run_measured(argv: list[str], **popen) -> tuple[subprocess.CompletedProcess | None, int]:
+    """The child's outcome under the caps, and its peak resident memory in bytes (ru_maxrss);
+    (None, 0) when it outlived TIME_CAP (its whole process group is killed)."""
+    read_end, write_end = os.pipe()
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, str(write_end), *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="backslashreplace",
+            preexec_fn=_limits,
+            pass_fds=(write_end,),
+            start_new_session=True,
+            **popen,
+        ) as child:
+            os.close(write_end)
+            write_end = -1
+            try:
+                out, err = child.communicate(timeout=TIME_CAP)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, 9)
+                child.communicate()
+                return None, 0
+        peak_kib = os.read(read_end, 64).decode() or "0"
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+    return subprocess.CompletedProcess(argv, child.returncode, out, err), int(peak_kib) * 1024  # KiB on Linux
+
+
 def _snapshot(*roots: Path, skip: Path) -> dict[str, tuple[int, int]]:
     out = {}
     for root in roots:
@@ -326,19 +382,10 @@ def run_case(entry: EntryPoint, mutant: str, root: Path, data: Path, weights: Pa
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HOME": str(root / "home")}
     env.update(PYTHONWARNINGS="ignore", CT_DEBUG="0", TMPDIR=str(case.out))
     start = time.monotonic()
-    try:
-        proc = subprocess.run(
-            [sys.executable, *entry.argv(case, target)],
-            cwd=case.out,
-            env=env,
-            capture_output=True,
-            text=True,
-            errors="backslashreplace",
-            timeout=TIME_CAP,
-            preexec_fn=_limits,
-        )
-    except subprocess.TimeoutExpired:
+    proc, peak = run_measured([sys.executable, *entry.argv(case, target)], cwd=case.out, env=env)
+    if proc is None:
         pytest.fail(f"{entry.name} on {mutant}: still running after {TIME_CAP} s (a hang)")
+    print(f"peak RSS {entry.name} {mutant}: {peak / MiB:.0f} MiB")  # `-rP` lists them (docs/security.md)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     where = f"{entry.name} on {mutant} (rc {proc.returncode}, {time.monotonic() - start:.1f} s): {proc.stderr[-3000:]}"
     assert proc.returncode > 0, where
@@ -350,6 +397,7 @@ def run_case(entry: EntryPoint, mutant: str, root: Path, data: Path, weights: Pa
     assert target.name in errors[0] or os.path.realpath(target) in errors[0], where
     # refused from sizes, not stopped by the memory cap (an allocation failure means it got through)
     assert "MemoryError" not in errors[0] and "allocat" not in errors[0], where
+    assert peak < PEAK_RSS_LIMIT, f"{where}: peak RSS {peak / MiB:.0f} MiB"
     after = _snapshot(root, data, skip=case.out)
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     assert not changed, f"{where}: files outside {case.out} changed: {changed[:5]}"
@@ -556,3 +604,15 @@ except BaseException as e:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIME_CAP, env=env)
     assert proc.stdout.startswith("MemoryError"), proc.stdout + proc.stderr[-2000:]
+
+
+def test_control_the_peak_memory_measure_sees_a_child_above_the_limit_however_large_its_parent():
+    """The per-case bound is live: a child holding 1.1 GiB is measured above PEAK_RSS_LIMIT, and
+    one holding 50 MiB below it even while this process holds more than the limit (a child
+    forked straight from it would report this process's memory as its own peak)."""
+    ballast = bytearray(PEAK_RSS_LIMIT + (64 << 20))  # this process: above the limit
+    big = run_measured([sys.executable, "-c", "x = bytearray(1100 << 20)"])
+    small = run_measured([sys.executable, "-c", "x = bytearray(50 << 20)"])
+    del ballast
+    assert big[0] is not None and big[0].returncode == 0 and big[1] > PEAK_RSS_LIMIT, big
+    assert small[0] is not None and 50 * MiB < small[1] < 200 * MiB, small
