@@ -37,6 +37,7 @@ from benchmarks.learning import (
     random_init_record,
     run_logged,
 )
+from contrastive_transfer.json_limits import read_json, read_json_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 # One recipe per family (the list), the supervised baseline, and random init.
@@ -90,7 +91,7 @@ def pretrain(row: str, data: Path, run: Path) -> Path:
 
 
 def _json(path: Path) -> dict:
-    return json.loads(path.read_text())
+    return read_json(path)
 
 
 def evaluate(weights: Path, data: Path, run: Path, seeds: int) -> dict[str, list[float]]:
@@ -143,8 +144,7 @@ def detection(weights: Path, data: Path, run: Path, seeds: int, iters: int, ever
     if every:
         result["curve"] = {str(i): [] for i in range(every, iters + 1, every)}
         for seed in per_seed:
-            for line in (out / f"seed_{seed}" / "training_metrics.json").read_text().splitlines():
-                row = json.loads(line)
+            for row in read_json_lines(out / f"seed_{seed}" / "training_metrics.json"):
                 key = next((k for k in row if k.endswith("bbox/AP50")), None)
                 if key and str(row["iteration"] + 1) in result["curve"]:
                     result["curve"][str(row["iteration"] + 1)].append(row[key])

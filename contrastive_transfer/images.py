@@ -47,12 +47,13 @@ def open_rgb(path: str | os.PathLike) -> Image.Image:
         return im.convert("RGB")  # convert() decodes
 
 
-def check_image(path: str | os.PathLike) -> None:
+def check_image(path: str | os.PathLike) -> tuple[int, int]:
     """For decoders that open the file themselves (detectron2's ``read_image``): the same gate
-    and header check as ``open_rgb``, the same one-line OSError, without decoding. Pillow's own
-    guard only warns up to twice its limit and then raises an error that is no OSError."""
-    with _opened(path):
-        pass
+    and header check as ``open_rgb``, the same one-line OSError, without decoding; the image's
+    (width, height). Pillow's own guard only warns up to twice its limit and then raises an error
+    that is no OSError."""
+    with _opened(path) as im:
+        return im.size
 
 
 def check_pixels(width: int, height: int) -> None:

@@ -616,3 +616,24 @@ def test_control_the_peak_memory_measure_sees_a_child_above_the_limit_however_la
     del ballast
     assert big[0] is not None and big[0].returncode == 0 and big[1] > PEAK_RSS_LIMIT, big
     assert small[0] is not None and 50 * MiB < small[1] < 200 * MiB, small
+
+
+def test_benchmarks_read_their_files_through_the_gate(tmp_path):
+    """The benchmarks' and the demo's JSON readers (contrastive_transfer.json_limits.read_json /
+    read_json_lines): a FIFO is refused without a wait, deep nesting in one line naming the file
+    and the line. Control: the plain reads they replaced end in a RecursionError."""
+    from benchmarks.learning import read_runs
+    from benchmarks.transfer import _json
+    from contrastive_transfer.json_limits import JsonLimitError
+    from contrastive_transfer.untrusted import UnsafeFileError
+
+    fifo = tmp_path / "metrics.json"
+    os.mkfifo(fifo)
+    with pytest.raises(UnsafeFileError, match=r"metrics\.json: is a named pipe"):
+        _json(fifo)
+    deep = tmp_path / "runs.jsonl"
+    deep.write_bytes(b'{"step": 1}\n' + b"[" * 100_000 + b"\n")
+    with pytest.raises(JsonLimitError, match=r"runs\.jsonl line 2 nests 100000 levels deep"):
+        read_runs(deep)
+    with pytest.raises(RecursionError):
+        [json.loads(line) for line in deep.read_text().splitlines()]
