@@ -334,7 +334,10 @@ def read_weights(path: str) -> dict:
     try:
         if path.endswith(".pkl") and _is_torch_zip(path):
             # detectron2 picks the reader by suffix and unpickles a .pkl (detectron2#2881 / vissl#375)
-            raise ConfigError(f"MODEL.WEIGHTS {path}: a .pkl written by torch.save (a zip archive): rename it to .pth")
+            raise ConfigError(
+                f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read (a zip archive, written by torch.save: "
+                f"rename it to .pth); {_HINT}"
+            )
         data = load_weights_file(path)
     except UnsafeFileError as e:
         raise ConfigError(f"MODEL.WEIGHTS {e}") from None
