@@ -31,6 +31,7 @@ from torchvision.io import decode_image, decode_jpeg  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 from benchmarks import cpu_name  # noqa: E402
+from contrastive_transfer.images import check_image, open_rgb, read_image_bytes  # noqa: E402
 from contrastive_transfer.synthetic.generate import render_classification  # noqa: E402
 from pretrain.augment import build_view_transforms  # noqa: E402
 from pretrain.data import ImageDataset, build_loader, collate, set_loader_epoch  # noqa: E402
@@ -67,7 +68,7 @@ def write_images(root: Path, n: int) -> tuple[list[Path], list[Path]]:
     photo = [root / "photo" / "c" / f"{i:04d}.JPEG" for i in range(n)]
     for i, (plain, textured) in enumerate(zip(light, photo)):
         render_classification((29, i), i % 10, (350, 460), plain)
-        scene = np.asarray(Image.open(plain).convert("RGB"), dtype=np.float32)
+        scene = np.asarray(open_rgb(plain), dtype=np.float32)
         rng = np.random.default_rng([29, i, 1])
         gain = rng.uniform(*TEXTURE_SPREAD)
         luma, c1, c2 = pink_noise(rng, *scene.shape[:2])
@@ -116,7 +117,7 @@ def bench_pipelines(root: Path, paths: list[Path], runs: int, full: bool = True)
     at 224 px only (the light set's block)."""
     from pretrain.augment.fast import decode_rgb
 
-    data = [p.read_bytes() for p in paths]
+    data = [read_image_bytes(p) for p in paths]
     tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
     pipelines = [
         ("decode only: `torchvision.io.decode_jpeg`", lambda: [decode_jpeg(t) for t in tensors], len(data)),
@@ -215,10 +216,9 @@ def machine() -> str:
 
 def describe(paths: list[Path]) -> str:
     """Count, sides and bytes of an image set."""
-    from PIL import Image
 
     sizes = [p.stat().st_size for p in paths]
-    dims = [Image.open(p).size for p in paths]
+    dims = [check_image(p) for p in paths]
     per_pixel = sum(sizes) / sum(w * h for w, h in dims)
     return (
         f"{len(paths)} JPEGs (quality 90), {min(w for w, _ in dims)}–{max(w for w, _ in dims)} × "

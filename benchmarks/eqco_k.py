@@ -37,6 +37,7 @@ from benchmarks.learning import (
     random_baseline,
     run_logged,
 )
+from contrastive_transfer.json_limits import read_json, read_json_lines
 
 HOST = "tiny_mocov2"
 ALPHA = 256  # tiny_mocov2's queue_size
@@ -74,7 +75,7 @@ def measure(loss: str, k: int, seed: int, epochs: int, data: Path, work: Path) -
     seconds, _ = run_logged(
         [sys.executable, "-m", "pretrain", "--config", str(RECIPES / f"{HOST}.yaml"), *args], run / "pretrain.log"
     )
-    rows = [json.loads(line) for line in (run / "pretrain" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_json_lines(run / "pretrain" / "metrics.jsonl")
     last = [r for r in rows if "loss" in r][-1]
     knn = evaluate(run / "pretrain" / "checkpoint_final.pth", data, run, probe=False)["knn_top1"]
     random = random_baseline(cfg.model.arch, cfg.model.stem, cfg.data.image_size, data, work, probe=False)
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                 row_file = rows_dir / f"{name}.json"
                 current = config_hash(HOST, args.epochs, seed, tuple(overrides(loss, k)))
                 if row_file.is_file() and not args.fresh:
-                    if json.loads(row_file.read_text()).get("config_hash") == current:
+                    if read_json(row_file).get("config_hash") == current:
                         continue
                     print(f"{name}: the host recipe changed since it was measured: measuring again")
                 if (work / "runs" / name).exists() and (args.fresh or row_file.is_file()):
@@ -180,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                 row = measure(loss, k, seed, args.epochs, data, work)
                 row_file.write_text(json.dumps(row, indent=1))
                 print(f"{name}: kNN {row['knn_top1']:.1f} (random {row['random_knn_top1']:.1f})", flush=True)
-                write_section([json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json"))], args, out)
-    write_section([json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json"))], args, out)
+                write_section([read_json(p) for p in sorted(rows_dir.glob("*.json"))], args, out)
+    write_section([read_json(p) for p in sorted(rows_dir.glob("*.json"))], args, out)
     print(f"wrote {out}")
 
 

@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 from benchmarks import cell, cpu_name, mean_std
+from contrastive_transfer.json_limits import read_json, read_json_lines
 from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +192,7 @@ def evaluate(weights: Path, data: Path, out: Path, probe: bool = True) -> dict[s
             ],
             out / "knn.log",
         )
-    knn = json.loads((out / "knn" / "metrics.json").read_text())
+    knn = read_json(out / "knn" / "metrics.json")
     if not probe:
         return {"knn_top1": knn["top1"]}
     if not (out / "linear" / "metrics.json").is_file():
@@ -218,7 +219,7 @@ def evaluate(weights: Path, data: Path, out: Path, probe: bool = True) -> dict[s
             ],
             out / "linear.log",
         )
-    linear = json.loads((out / "linear" / "metrics.json").read_text())
+    linear = read_json(out / "linear" / "metrics.json")
     return {"knn_top1": knn["top1"], "linear_top1": linear["top1"]}
 
 
@@ -299,7 +300,7 @@ def pretrain_run(recipe: str, epochs: int, seed: int, data: Path, run: Path, ext
     ]
     final, timing = run / "pretrain" / "checkpoint_final.pth", run / "pretrain_timing.json"
     if final.is_file() and timing.is_file():  # pretrained before an evaluation was interrupted
-        return tuple(json.loads(timing.read_text()))
+        return tuple(read_json(timing))
     seconds, peak = run_logged(
         [sys.executable, "-m", "pretrain", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides],
         run / "pretrain.log",
@@ -332,7 +333,7 @@ def measure(
     cfg = load_config(RECIPES / f"{recipe}.yaml", [*_budget(epochs, seed), *extra])
     seconds, peak, load = pretrain_run(recipe, epochs, seed, data, run, extra)
     final = run / "pretrain" / "checkpoint_final.pth"
-    rows = [json.loads(line) for line in (run / "pretrain" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_json_lines(run / "pretrain" / "metrics.jsonl")
     steps = max(r["step"] for r in rows if "loss" in r)
     pretrained = evaluate(final, data, run)
     trained = recipe_experiment(recipe, epochs, seed, extra)
@@ -492,7 +493,7 @@ def read_runs(path: Path) -> list[dict]:
     """The lines of the runs file (each one measured run), in the order they were measured."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_json_lines(path)
 
 
 def _key(row: dict) -> tuple:
@@ -510,7 +511,7 @@ def carry_legacy_rows(work: Path, path: Path, preset: str) -> None:
     file (the one migration place of that layout), unless it has them."""
     have = {_key(r) for r in read_runs(path)}
     for legacy in sorted((work / "rows").glob("*/seed*.json")):
-        row = {"preset": preset, **json.loads(legacy.read_text())}
+        row = {"preset": preset, **read_json(legacy)}
         if _key(row) not in have:
             append_run(path, row)
             have.add(_key(row))

@@ -51,6 +51,7 @@ from benchmarks.learning import (
     run_logged,
     tiny_recipes,
 )
+from contrastive_transfer.json_limits import read_json, read_json_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 # One recipe per family (the list), the supervised baseline, and random init.
@@ -146,7 +147,7 @@ def learning_checkpoint(row: str, table: Table, learning: Path) -> Path | None:
 
 
 def _json(path: Path) -> dict:
-    return json.loads(path.read_text())
+    return read_json(path)
 
 
 def evaluate(weights: Path, data: Path, run: Path, seeds: int, iters: int = DETECTION_ITERS) -> dict[str, list[float]]:
@@ -202,8 +203,7 @@ def detection(weights: Path, data: Path, run: Path, seeds: int, iters: int, ever
     if every:
         result["curve"] = {str(i): [] for i in range(every, iters + 1, every)}
         for seed in per_seed:
-            for line in (folders[seed] / "training_metrics.json").read_text().splitlines():
-                row = json.loads(line)
+            for row in read_json_lines(folders[seed] / "training_metrics.json"):
                 key = next((k for k in row if k.endswith("bbox/AP50")), None)
                 if key and str(row["iteration"] + 1) in result["curve"]:
                     result["curve"][str(row["iteration"] + 1)].append(row[key])

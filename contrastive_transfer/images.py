@@ -10,6 +10,8 @@ refuses anything above it from the header alone, before a pixel is decoded.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from PIL import Image
 
@@ -23,17 +25,35 @@ Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 
 
+@contextmanager
+def _opened(path: str | os.PathLike) -> Iterator[Image.Image]:
+    """The image opened through the gate, its pixel count checked from the header (nothing is
+    decoded yet); whatever fails here or in the caller's decoding is OSError ``cannot read image
+    PATH: reason`` (one line)."""
+    try:
+        with open_untrusted(path, "image") as f, Image.open(f) as im:
+            check_pixels(im.width, im.height)
+            yield im
+    except DECODE_ERRORS as e:
+        reason = e.reason if isinstance(e, UnsafeFileError) else " ".join(str(e).split()) or type(e).__name__
+        raise OSError(f"cannot read image {path}: {reason}") from None
+
+
 def open_rgb(path: str | os.PathLike) -> Image.Image:
     """The decoded RGB image; OSError ``cannot read image PATH: reason`` (one line) otherwise.
     The file goes through the gate (a regular file within the image cap: a FIFO in a class folder
     is refused, not waited on), and the pixel count is read from the header before decoding."""
-    try:
-        with open_untrusted(path, "image") as f, Image.open(f) as im:
-            check_pixels(im.width, im.height)
-            return im.convert("RGB")  # convert() decodes
-    except DECODE_ERRORS as e:
-        reason = e.reason if isinstance(e, UnsafeFileError) else " ".join(str(e).split()) or type(e).__name__
-        raise OSError(f"cannot read image {path}: {reason}") from None
+    with _opened(path) as im:
+        return im.convert("RGB")  # convert() decodes
+
+
+def check_image(path: str | os.PathLike) -> tuple[int, int]:
+    """For decoders that open the file themselves (detectron2's ``read_image``): the same gate
+    and header check as ``open_rgb``, the same one-line OSError, without decoding; the image's
+    (width, height). Pillow's own guard only warns up to twice its limit and then raises an error
+    that is no OSError."""
+    with _opened(path) as im:
+        return im.size
 
 
 def check_pixels(width: int, height: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from typing import Any
 
@@ -66,3 +67,20 @@ def loads(data: bytes, where: str) -> Any:
         raise JsonLimitError(f"{where} is not valid JSON ({e})") from None
     except (ValueError, RecursionError) as e:  # a number refused above, or an integer past Python's digit limit
         raise JsonLimitError(f"{where}: {' '.join(str(e).split())}") from None
+
+
+def read_json(path: str | os.PathLike, kind: str = "json") -> Any:
+    """A JSON file through the gate (``untrusted.read_untrusted``: a regular file within ``kind``'s
+    cap) and the limits above: one line naming the file for anything else."""
+    from contrastive_transfer.untrusted import read_untrusted  # torch: imported when a file is read
+
+    return loads(read_untrusted(path, kind), str(path))
+
+
+def read_json_lines(path: str | os.PathLike, kind: str = "log") -> list[Any]:
+    """The values of a JSON-lines file (``metrics.jsonl``), blank lines skipped, through the gate
+    and the limits above, each line named by its number in a refusal."""
+    from contrastive_transfer.untrusted import read_untrusted
+
+    data = read_untrusted(path, kind)
+    return [loads(line, f"{path} line {n}") for n, line in enumerate(data.splitlines(), 1) if line.strip()]

@@ -29,6 +29,7 @@ import io
 import os
 import pickle
 import pickletools
+import tarfile
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -43,6 +44,7 @@ from contrastive_transfer.untrusted import (
     check_loaded_tensors,
     open_untrusted,
     read_untrusted,
+    walk_tensors,
 )
 
 __all__ = [
@@ -192,9 +194,11 @@ def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = (), kind:
     a checkpoint, truncated) propagate for the caller to phrase."""
     extra = list(extra_globals)
     with open_untrusted(path, kind) as f:
-        check_archive(f, path, kind)
+        is_zip = check_archive(f, path, kind)
         try:
             with torch.serialization.safe_globals(extra):
+                if not is_zip:
+                    _check_legacy_storages(f, path)
                 obj = torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             if "weights_only" not in str(e) and "Weights only" not in str(e):
@@ -203,6 +207,46 @@ def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = (), kind:
             raise UnsafeFileError(refusal(path, unsafe_globals(f, allowed))) from None
     check_loaded_tensors(obj, path, kind)
     return obj
+
+
+def _check_legacy_storages(f: IO[bytes], path: str | os.PathLike) -> None:
+    """The storage sizes a legacy-format (not zip) torch file declares, against the file's size,
+    before torch.load allocates them.
+
+    torch's legacy reader (``torch.serialization._legacy_load``), weights_only included, allocates
+    every storage at the size its pickle declares and only then reads the bytes: a 400-byte file
+    declaring 2^30 floats asks for 4 GiB. The zip format's records are checked by ``check_archive``;
+    here a dry run under ``FakeTensorMode`` (which that reader honours: storages on the meta device,
+    no data read) gives the declared sizes, and their sum must fit in the file that should hold
+    them. The tar format of torch < 0.4 reads sizes from the file and allocates them even under fake
+    tensors: it is refused."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    try:
+        with tarfile.open(fileobj=f, mode="r:"):
+            is_tar = True
+    except (tarfile.TarError, OSError, ValueError):
+        is_tar = False
+    if is_tar:
+        raise UnsafeFileError(
+            f"{path}: a torch file in the tar format of torch < 0.4, not read (its reader reserves whatever sizes "
+            "the file states); if you trust it, load it with that torch and torch.save it again (zip format)"
+        )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    f.seek(0)
+    try:
+        with FakeTensorMode():
+            fake = torch.load(f, map_location="cpu", weights_only=True)
+    finally:
+        f.seek(0)
+    declared = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in walk_tensors(fake)}
+    if sum(declared.values()) > size:
+        raise UnsafeFileError(
+            f"{path}: declares {sum(declared.values())} bytes of tensor storage in a file of {size} bytes "
+            "(torch's legacy reader reserves what is declared before reading a byte): a truncated or crafted file; "
+            "use a complete copy"
+        )
 
 
 # ---------------------------------------------------------------------------------- pickle files

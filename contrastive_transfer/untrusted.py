@@ -44,6 +44,7 @@ __all__ = [
     "check_archive",
     "check_loaded_tensors",
     "tensor_problem",
+    "walk_tensors",
 ]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -164,14 +165,15 @@ def read_untrusted(path: str | os.PathLike, kind: str) -> bytes:
     return data
 
 
-def check_archive(f: IO[bytes], path: str | os.PathLike, kind: str) -> None:
-    """A zip archive's records against their declared sizes, before anything inflates them.
-    Files that are not zip archives pass (their own reader judges them)."""
+def check_archive(f: IO[bytes], path: str | os.PathLike, kind: str) -> bool:
+    """A zip archive's records against their declared sizes, before anything inflates them; True
+    when ``f`` is a zip archive. Files that are not zip archives pass (their own reader judges
+    them)."""
     spec = _kind(kind)
     f.seek(0)
     if not zipfile.is_zipfile(f):
         f.seek(0)
-        return
+        return False
     try:
         with zipfile.ZipFile(f) as archive:
             records = archive.infolist()
@@ -194,6 +196,7 @@ def check_archive(f: IO[bytes], path: str | os.PathLike, kind: str) -> None:
                 f"archive record {info.filename!r} inflates {_size(info.compress_size)} to {_size(info.file_size)} "
                 f"(more than {MAX_INFLATION}x): a crafted archive, not a file torch.save wrote",
             )
+    return True
 
 
 # ----------------------------------------------------------------------------------------- tensors
@@ -221,19 +224,20 @@ def _view_problem(t: torch.Tensor, max_bytes: int | None = None) -> str | None:
     return None
 
 
-def tensor_problem(value: Any, integer_ok: bool = False, repeated_ok: bool = False) -> str | None:
+def tensor_problem(value: Any, integer_ok: bool = False) -> str | None:
     """Why ``value`` (a torch tensor or numpy array) is not usable as weights, or None.
 
     Layout, dtype, shape, strides and storage are checked first, from the metadata; only then are
     the elements read, for finiteness. Real floating point only (``integer_ok``: integers too,
-    e.g. BatchNorm counters); complex, bool and other dtypes are refused. A view that repeats
-    stored values (stride 0) is refused unless ``repeated_ok``: the caller has already bounded the
-    shape (e.g. by the architecture), so reading it costs no more than the model holds."""
+    e.g. BatchNorm counters); complex, bool and other dtypes are refused. Weights hold what they
+    show: a stride of 0 (one stored value repeated along a dimension) or a view beyond its
+    storage is refused, wherever weights are read (no real checkpoint has one; a crafted one
+    costs its whole shape in memory the moment it is read)."""
     if isinstance(value, np.ndarray):
         kind = value.dtype.kind
         if not (kind == "f" or (integer_ok and kind in "iu")):
             return f"has dtype {value.dtype}, expected real floating point weights"
-        if not repeated_ok and value.size > 1 and 0 in value.strides:
+        if _repeats(value.shape, value.strides):
             return f"has stride 0 (strides {value.strides}), expected stored values"
         return _non_finite(int(value.size - np.count_nonzero(np.isfinite(value))) if kind == "f" else 0, value.size)
     if not isinstance(value, torch.Tensor):
@@ -243,12 +247,19 @@ def tensor_problem(value: Any, integer_ok: bool = False, repeated_ok: bool = Fal
         return f"is {what} tensor, expected a dense tensor with values"
     if value.is_complex() or not (value.is_floating_point() or (integer_ok and _is_integer(value.dtype))):
         return f"has dtype {value.dtype}, expected real floating point weights"
-    problem = _view_problem(value, max_bytes=KINDS["weights"].cap if repeated_ok else None)
+    if _repeats(value.shape, value.stride()):
+        return f"has stride 0 (shape {tuple(value.shape)}, strides {tuple(value.stride())}), expected stored values"
+    problem = _view_problem(value)
     if problem is not None:
         return problem
     if not value.is_floating_point() or bool(torch.isfinite(value).all()):
         return None
     return _non_finite(int((~torch.isfinite(value)).sum()), value.numel())
+
+
+def _repeats(shape: Any, strides: Any) -> bool:
+    # a dimension of one element may have any stride: only a longer one repeats a stored value
+    return any(s == 0 and n > 1 for n, s in zip(shape, strides))
 
 
 def _is_integer(dtype: torch.dtype) -> bool:
@@ -264,20 +275,27 @@ def _non_finite(bad: int, total: int) -> str | None:
     )
 
 
-def check_loaded_tensors(obj: Any, path: str | os.PathLike, kind: str) -> None:
-    """Every dense tensor anywhere in a loaded file views only what its storage holds, and one
-    that repeats stored values (stride 0) describes no more than ``kind``'s cap: from the
-    metadata, nothing is read. The walk is iterative: nesting cannot exhaust the stack."""
-    cap = _kind(kind).cap
+def walk_tensors(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(where, tensor) for every tensor anywhere in a loaded file's containers. The walk is
+    iterative: nesting cannot exhaust the stack."""
     stack: list[tuple[Any, str]] = [(obj, "")]
     while stack:
         item, where = stack.pop()
         if isinstance(item, torch.Tensor):
-            if item.layout == torch.strided and not item.is_meta:
-                problem = _view_problem(item, max_bytes=cap)
-                if problem is not None:
-                    raise _refuse(path, f"tensor {where or '(top level)'} {problem}")
+            yield where or "(top level)", item
         elif isinstance(item, dict):
             stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+
+
+def check_loaded_tensors(obj: Any, path: str | os.PathLike, kind: str) -> None:
+    """Every dense tensor anywhere in a loaded file views only what its storage holds, and one
+    that repeats stored values (stride 0) describes no more than ``kind``'s cap: from the
+    metadata, nothing is read."""
+    cap = _kind(kind).cap
+    for where, item in walk_tensors(obj):
+        if item.layout == torch.strided and not item.is_meta:
+            problem = _view_problem(item, max_bytes=cap)
+            if problem is not None:
+                raise _refuse(path, f"tensor {where} {problem}")

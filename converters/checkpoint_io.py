@@ -189,22 +189,21 @@ SAFETENSORS_FORMAT = "contrastive-transfer/torchvision-safetensors/v1"
 MAX_IMAGE_SIZE = 4096  # a pretraining crop read from a file (--crop auto) is bounded by this
 
 
-def _numpy_to_torch(ckpt, source: str):
-    """A detectron2 .pkl's numpy arrays as tensors, so that one validation
-    (``untrusted.tensor_problem``) judges every format; other dtypes stay arrays and are refused by it."""
-    if not isinstance(ckpt, Mapping):
-        return ckpt
-    model = ckpt.get("model", ckpt.get("blobs"))
-    if not isinstance(model, Mapping):
-        return ckpt
-    converted = {}
-    for k, v in model.items():
-        if isinstance(v, np.ndarray):
-            if v.dtype.kind not in "fiubc":
-                raise CheckpointError(f"{source}: {k} has dtype {v.dtype}, expected real floating point weights")
-            v = torch.from_numpy(np.array(v))  # a writable copy: pickled arrays are read-only
-        converted[k] = v
-    return {**ckpt, "model": converted}
+def _numpy_to_torch(ckpt, source: str, depth: int = 0, where: str = ""):
+    """The numpy arrays of a ``.pkl`` as tensors, wherever its dicts hold them (detectron2's under
+    ``model`` or ``blobs``, ``legacy_to_safe``'s at the top level or nested as in the original),
+    so that one validation (``untrusted.tensor_problem``) judges every format. Dicts deeper than
+    any layout's container are left as they are (no layout reads there)."""
+    if isinstance(ckpt, np.ndarray):
+        if ckpt.dtype.kind not in "fiubc":
+            raise CheckpointError(f"{source}: {where} has dtype {ckpt.dtype}, expected real floating point weights")
+        return torch.from_numpy(np.array(ckpt))  # a writable copy: pickled arrays are read-only
+    if isinstance(ckpt, Mapping) and depth < _MAX_CONTAINER_DEPTH:
+        return {k: _numpy_to_torch(v, source, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in ckpt.items()}
+    return ckpt
+
+
+_MAX_CONTAINER_DEPTH = 6  # the deepest layout container (classy_state_dict.base_model.model.trunk) is 4 levels down
 
 
 def _safetensors_record(ckpt, source: str) -> dict | None:
@@ -298,7 +297,10 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
                 )
             _check_tensor(sd[k], k, source)
             v = sd[k].detach().cpu()
-            out[k] = v.float() if v.is_floating_point() else v
+            v = v.float() if v.is_floating_point() else v
+            # a view into a larger storage (weights tied or sliced from one buffer) gets its own:
+            # safetensors refuses tensors that share memory, and the backbone keeps no more than it holds
+            out[k] = v.clone() if v.untyped_storage().nbytes() != v.nbytes else v
     missing = [k for k in expected if k not in out]
     if missing:
         raise CheckpointError(
@@ -314,11 +316,10 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
 
 
 def _check_tensor(v: torch.Tensor, name: str, source: str) -> None:
-    """Dense, real floating point (counters excepted), a view within its storage, then finite:
-    anything else would fail later with a traceback, or worse, evaluate to chance without a word.
-    Its shape already matched the architecture, so a stride-0 view (one stored value repeated)
-    costs no more to read than the model holds: it is accepted here."""
-    problem = tensor_problem(v, integer_ok=name.endswith("num_batches_tracked"), repeated_ok=True)
+    """Dense, real floating point (counters excepted), stored values within its storage (no
+    stride 0), then finite: anything else would fail later with a traceback, or worse, evaluate to
+    chance without a word. The same rule as detection's (``untrusted.tensor_problem``)."""
+    problem = tensor_problem(v, integer_ok=name.endswith("num_batches_tracked"))
     if problem is not None:
         raise CheckpointError(f"{source}: {name} {problem}")
 
@@ -414,6 +415,27 @@ def _read_backbone(ckpt, record: dict | None, source: str, encoder: str, layout:
             "the tensors were changed after the file was written; use the original file"
         )
     return Backbone(state_dict, arch, stem, found.name, dropped, source, encoder, size, digest)
+
+
+def backbone_layout(ckpt) -> str | None:
+    """The name of the layout (``LAYOUTS``) in which a loaded weights file holds a ResNet, judged
+    by its key names alone (numpy arrays of a ``.pkl`` count as tensors), or None: how
+    ``transfer.detection`` tells a torchvision-named backbone (which its detectron2 model cannot
+    load) from detectron2 weights, by the same rules the converters use. Nothing is validated."""
+    probe = _names_only(ckpt, depth=0)
+    try:
+        return next((c.name for c in LAYOUTS.values() if _find(probe, c.query, c.names) is not None), None)
+    except _KeyCollision:
+        return None
+
+
+def _names_only(obj, depth: int):
+    # the dict structure with an empty meta tensor for every array: enough for _find, costs nothing
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return torch.empty(0, device="meta")
+    if isinstance(obj, Mapping) and depth < _MAX_CONTAINER_DEPTH:
+        return {k: _names_only(v, depth + 1) for k, v in obj.items()}
+    return None
 
 
 def build_resnet(backbone: Backbone) -> nn.Module:

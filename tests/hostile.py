@@ -41,16 +41,38 @@ class Payload:
 # ------------------------------------------------------------------------------------ valid inputs
 
 
-def resnet18_state() -> dict[str, torch.Tensor]:
-    """A small-stem ResNet-18 state dict whose tensors repeat one stored value (a few kB on disk)."""
+def stored_views(shapes: dict[str, tuple[torch.Size, torch.dtype]], values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensors of the given shapes, each a contiguous view into one shared float storage (tensor i
+    starts at element i of ``values``; integer tensors are zeros of their own), so a whole ResNet
+    saves in the size of its largest tensor. Weights must hold what they show: a stride-0
+    expansion (one stored value repeated) is refused wherever weights are read, so the files the
+    tests write hold their values, and sharing one storage is what keeps them small (as tied
+    weights do in real checkpoints)."""
+    out = {}
+    for i, (name, (shape, dtype)) in enumerate(shapes.items()):
+        if not dtype.is_floating_point:
+            out[name] = torch.zeros(shape, dtype=dtype)
+            continue
+        numel = int(torch.Size(shape).numel())
+        assert values.numel() >= i + numel, "values too short for the shapes"
+        out[name] = values[i : i + numel].view(shape)
+    return out
+
+
+def model_shapes(arch: str, stem: str = "imagenet", fc: bool = False) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The state dict's shapes and dtypes of a torchvision ResNet (meta: nothing allocated)."""
     with torch.device("meta"):
-        net = torchvision.models.resnet18(weights=None)
-        net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
-    return {
-        k: torch.full((1,), 0.01, dtype=v.dtype).expand(v.shape) if v.dim() else torch.tensor(0)
-        for k, v in net.state_dict().items()
-        if not k.startswith("fc.")
-    }
+        net = getattr(torchvision.models, arch)(weights=None)
+        if stem == "small":
+            net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    return {k: (v.shape, v.dtype) for k, v in net.state_dict().items() if fc or not k.startswith("fc.")}
+
+
+def resnet18_state() -> dict[str, torch.Tensor]:
+    """A small-stem ResNet-18 state dict holding 0.01 everywhere, in one shared storage (a few MiB)."""
+    shapes = model_shapes("resnet18", "small")
+    largest = max(int(torch.Size(s).numel()) for s, _ in shapes.values())
+    return stored_views(shapes, torch.full((largest + len(shapes),), 0.01))
 
 
 def torch_bytes(obj) -> bytes:
@@ -86,6 +108,17 @@ def zip_bomb(valid: bytes) -> bytes:
         for name, data in records
     ]
     return _zip(entries)
+
+
+def legacy_declaring(numel: int) -> bytes:
+    """A torch legacy-format (not zip) file of a few hundred bytes whose pickle declares a storage
+    of ``numel`` floats: torch's legacy reader allocates what is declared before reading a byte."""
+    buffer = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buffer, _use_new_zipfile_serialization=False)
+    data = buffer.getvalue()
+    # the storage's persistent id: ('storage', FloatStorage, key, 'cpu', numel=4 (BININT1), None)
+    at = data.index(b"K\x04", data.index(b"X\x03\x00\x00\x00cpu"))
+    return data[:at] + b"J" + struct.pack("<i", numel) + data[at + 2 :]
 
 
 def _zip(entries: list[tuple[str, bytes, int, int, int]]) -> bytes:
@@ -157,6 +190,7 @@ def _torch_mutants(valid: Callable[[], dict], weights: bool) -> list[tuple[str, 
         ("truncated", _bytes(lambda: torch_bytes(valid())[:200])),
         ("zip_bomb", _bytes(lambda: zip_bomb(torch_bytes(valid())))),
         ("stride0_16GiB", _bytes(with_tensor(torch.zeros(1, dtype=torch.float64).expand(1 << 31)))),
+        ("legacy_declares_4GiB", _bytes(lambda: legacy_declaring(1 << 30))),
         ("top_level_list", _bytes(lambda: torch_bytes([1, 2, 3]))),
         ("payload", lambda path: path.write_bytes(pickle.dumps({"x": Payload(path.parent / "MARKER")}))),
     ]
@@ -176,13 +210,13 @@ def _pkl(model: dict) -> Callable[[], bytes]:
     return lambda: pickle.dumps({"model": model, "__author__": "x", "matching_heuristics": True}, protocol=2)
 
 
-def bomb_png() -> bytes:
-    """69 bytes whose header claims 100000 x 100000 pixels."""
+def bomb_png(width: int = 100_000, height: int = 100_000) -> bytes:
+    """69 bytes whose header claims ``width`` x ``height`` pixels (10^10 unless told)."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 

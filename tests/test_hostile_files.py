@@ -34,10 +34,25 @@ from pathlib import Path
 
 import pytest
 
-from .hostile import BOMB_INFLATED, SPECIAL, bomb_jpeg, mutants, resnet18_state, torch_bytes, zip_bomb
+from .hostile import (
+    BOMB_INFLATED,
+    SPECIAL,
+    bomb_jpeg,
+    bomb_png,
+    legacy_declaring,
+    mutants,
+    resnet18_state,
+    torch_bytes,
+    zip_bomb,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-MEMORY_CAP = 2 << 30  # RLIMIT_DATA of every child: its heap and anonymous mappings
+MiB = 1 << 20
+# RLIMIT_DATA of every child: its heap and anonymous mappings. Not RLIMIT_AS: importing torch and
+# torchvision maps 3.4 GiB of address space (VmSize) of which ~680 MiB is resident, so an address
+# space cap of 2 GiB stops the import ("libtorch_cpu.so: failed to map segment"), not an attack.
+MEMORY_CAP = 2 << 30
+PEAK_RSS_LIMIT = 1 << 30  # the issue's bound on every case's peak resident memory (ru_maxrss)
 TIME_CAP = 180  # seconds per child: a hang ends the test here (the 2 shared CI cores are slow)
 SEED = int(os.environ.get("HOSTILE_SEED", "38"))
 SAMPLE = int(os.environ.get("HOSTILE_SAMPLE", "2"))
@@ -289,6 +304,57 @@ def _limits() -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (MEMORY_CAP, MEMORY_CAP))
 
 
+# Runs argv and reports its peak resident memory. Measured in a grandchild of this (large) test
+# process: Linux carries a process's RSS high-water mark across exec, so a child forked from
+# pytest (which has torch loaded) would report pytest's resident memory as its own peak; a child
+# forked from this small launcher starts from the launcher's few MiB. wait4's ru_maxrss covers the
+# child and the processes it waited for (data workers).
+_LAUNCHER = """
+import os, signal, subprocess, sys
+fd, argv = int(sys.argv[1]), sys.argv[2:]
+child = subprocess.Popen(argv)
+_, status, usage = os.wait4(child.pid, 0)
+os.write(fd, str(usage.ru_maxrss).encode())
+code = os.waitstatus_to_exitcode(status)
+if code < 0:  # killed by a signal: end the same way, so the caller sees it
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def run_measured(argv: list[str], **popen) -> tuple[subprocess.CompletedProcess | None, int]:
+    """The child's outcome under the caps, and its peak resident memory in bytes (ru_maxrss);
+    (None, 0) when it outlived TIME_CAP (its whole process group is killed)."""
+    read_end, write_end = os.pipe()
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, str(write_end), *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="backslashreplace",
+            preexec_fn=_limits,
+            pass_fds=(write_end,),
+            start_new_session=True,
+            **popen,
+        ) as child:
+            os.close(write_end)
+            write_end = -1
+            try:
+                out, err = child.communicate(timeout=TIME_CAP)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, 9)
+                child.communicate()
+                return None, 0
+        peak_kib = os.read(read_end, 64).decode() or "0"
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+    return subprocess.CompletedProcess(argv, child.returncode, out, err), int(peak_kib) * 1024  # KiB on Linux
+
+
 def _snapshot(*roots: Path, skip: Path) -> dict[str, tuple[int, int]]:
     out = {}
     for root in roots:
@@ -316,19 +382,10 @@ def run_case(entry: EntryPoint, mutant: str, root: Path, data: Path, weights: Pa
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HOME": str(root / "home")}
     env.update(PYTHONWARNINGS="ignore", CT_DEBUG="0", TMPDIR=str(case.out))
     start = time.monotonic()
-    try:
-        proc = subprocess.run(
-            [sys.executable, *entry.argv(case, target)],
-            cwd=case.out,
-            env=env,
-            capture_output=True,
-            text=True,
-            errors="backslashreplace",
-            timeout=TIME_CAP,
-            preexec_fn=_limits,
-        )
-    except subprocess.TimeoutExpired:
+    proc, peak = run_measured([sys.executable, *entry.argv(case, target)], cwd=case.out, env=env)
+    if proc is None:
         pytest.fail(f"{entry.name} on {mutant}: still running after {TIME_CAP} s (a hang)")
+    print(f"peak RSS {entry.name} {mutant}: {peak / MiB:.0f} MiB")  # `-rP` lists them (docs/security.md)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     where = f"{entry.name} on {mutant} (rc {proc.returncode}, {time.monotonic() - start:.1f} s): {proc.stderr[-3000:]}"
     assert proc.returncode > 0, where
@@ -340,6 +397,7 @@ def run_case(entry: EntryPoint, mutant: str, root: Path, data: Path, weights: Pa
     assert target.name in errors[0] or os.path.realpath(target) in errors[0], where
     # refused from sizes, not stopped by the memory cap (an allocation failure means it got through)
     assert "MemoryError" not in errors[0] and "allocat" not in errors[0], where
+    assert peak < PEAK_RSS_LIMIT, f"{where}: peak RSS {peak / MiB:.0f} MiB"
     after = _snapshot(root, data, skip=case.out)
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     assert not changed, f"{where}: files outside {case.out} changed: {changed[:5]}"
@@ -392,14 +450,17 @@ def test_control_a_fifo_blocks_a_plain_open(tmp_path):
 
 def test_control_dev_zero_and_a_zip_bomb_and_a_stride0_view_take_memory_without_the_gate(tmp_path):
     """Without the gate: reading /dev/zero runs into the memory cap; torch.load inflates the
-    crafted record; a 4-byte storage viewed as 2^31 values costs 2 GiB once isfinite reads it. The
+    crafted record; a 4-byte storage viewed as 2^31 values costs 2 GiB once isfinite reads it; a
+    legacy-format file of 368 bytes has torch.load (weights_only) allocate the 4 GiB it declares. The
     project's checks refuse the same files from their metadata (the assertions after the child)."""
     import torch
 
+    from contrastive_transfer.safe_load import torch_load
     from contrastive_transfer.untrusted import UnsafeFileError, check_archive, check_loaded_tensors, read_untrusted
 
-    bomb, view = tmp_path / "bomb.pth", tmp_path / "view.pth"
+    bomb, view, legacy = tmp_path / "bomb.pth", tmp_path / "view.pth", tmp_path / "legacy.pth"
     bomb.write_bytes(zip_bomb(torch_bytes({"w": torch.zeros(1)})))
+    legacy.write_bytes(legacy_declaring(1 << 30))
     view.write_bytes(torch_bytes({"w": torch.zeros(1).expand(1 << 31)}))
     script = f"""
 import json, torch
@@ -408,6 +469,7 @@ for name, attack in [
     ("dev_zero", lambda: open("/dev/zero", "rb").read()),
     ("zip_bomb", lambda: torch.load({str(bomb)!r}, weights_only=True)),
     ("stride0", lambda: torch.isfinite(torch.load({str(view)!r}, weights_only=True)["w"]).all()),
+    ("legacy", lambda: torch.load({str(legacy)!r}, weights_only=True)),
 ]:
     try:
         attack()
@@ -423,11 +485,13 @@ print(json.dumps(out))
     assert outcome["dev_zero"].startswith("MemoryError"), outcome
     assert "alloc" in outcome["zip_bomb"].lower() or outcome["zip_bomb"].startswith("MemoryError"), outcome
     assert "alloc" in outcome["stride0"].lower(), outcome
+    assert "alloc" in outcome["legacy"].lower() and legacy.stat().st_size < 1000, outcome
     # the gate: each refused from sizes alone
     for path, check in [
         (Path("/dev/zero"), lambda p: read_untrusted(p, "weights")),
         (bomb, lambda p: check_archive(open(p, "rb"), p, "weights")),
         (view, lambda p: check_loaded_tensors(torch.load(p, weights_only=True), p, "weights")),
+        (legacy, torch_load),
     ]:
         with pytest.raises(UnsafeFileError) as e:
             check(path)
@@ -506,3 +570,70 @@ def test_detection_datasets_refuse_special_files_in_one_line(target, special, sy
     finally:
         register_datasets()
     assert "\n" not in str(e.value) and str(path) in str(e.value) and "expected" in str(e.value), str(e.value)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # refused just after
+def test_detection_mapper_checks_the_pixel_count_before_detectron2_decodes(tmp_path):
+    """The images detectron2 opens itself (its DatasetMapper's read_image) get the gate and the
+    header check too. Control: Pillow's own guard only warns below twice its limit, so detectron2
+    decodes a 69-byte PNG claiming 23000 x 23000 pixels into the memory cap."""
+    pytest.importorskip("detectron2")
+    from detectron2.config import get_cfg
+
+    from transfer.detection.trainer import ImageCheckingMapper
+
+    path = tmp_path / "big.png"
+    path.write_bytes(bomb_png(23_000, 23_000))
+    mapper = ImageCheckingMapper(get_cfg(), is_train=False)
+    with pytest.raises(OSError) as e:
+        mapper({"file_name": str(path), "height": 23_000, "width": 23_000, "image_id": 0})
+    assert str(e.value).startswith(f"cannot read image {path}: its header claims 23000x23000 pixels"), str(e.value)
+    assert "\n" not in str(e.value)
+    script = f"""
+import resource, warnings
+resource.setrlimit(resource.RLIMIT_DATA, ({MEMORY_CAP}, {MEMORY_CAP}))
+import contrastive_transfer.images  # Pillow's limit, as in detection's processes
+from detectron2.data.detection_utils import read_image
+warnings.simplefilter("ignore")
+try:
+    read_image({str(path)!r}, format="BGR")
+    print("decoded")
+except BaseException as e:
+    print(type(e).__name__, str(e)[:200])
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIME_CAP, env=env)
+    assert proc.stdout.startswith("MemoryError"), proc.stdout + proc.stderr[-2000:]
+
+
+def test_control_the_peak_memory_measure_sees_a_child_above_the_limit_however_large_its_parent():
+    """The per-case bound is live: a child holding 1.1 GiB is measured above PEAK_RSS_LIMIT, and
+    one holding 50 MiB below it even while this process holds more than the limit (a child
+    forked straight from it would report this process's memory as its own peak)."""
+    ballast = bytearray(PEAK_RSS_LIMIT + (64 << 20))  # this process: above the limit
+    big = run_measured([sys.executable, "-c", "x = bytearray(1100 << 20)"])
+    small = run_measured([sys.executable, "-c", "x = bytearray(50 << 20)"])
+    del ballast
+    assert big[0] is not None and big[0].returncode == 0 and big[1] > PEAK_RSS_LIMIT, big
+    assert small[0] is not None and 50 * MiB < small[1] < 200 * MiB, small
+
+
+def test_benchmarks_read_their_files_through_the_gate(tmp_path):
+    """The benchmarks' and the demo's JSON readers (contrastive_transfer.json_limits.read_json /
+    read_json_lines): a FIFO is refused without a wait, deep nesting in one line naming the file
+    and the line. Control: the plain reads they replaced end in a RecursionError."""
+    from benchmarks.learning import read_runs
+    from benchmarks.transfer import _json
+    from contrastive_transfer.json_limits import JsonLimitError
+    from contrastive_transfer.untrusted import UnsafeFileError
+
+    fifo = tmp_path / "metrics.json"
+    os.mkfifo(fifo)
+    with pytest.raises(UnsafeFileError, match=r"metrics\.json: is a named pipe"):
+        _json(fifo)
+    deep = tmp_path / "runs.jsonl"
+    deep.write_bytes(b'{"step": 1}\n' + b"[" * 100_000 + b"\n")
+    with pytest.raises(JsonLimitError, match=r"runs\.jsonl line 2 nests 100000 levels deep"):
+        read_runs(deep)
+    with pytest.raises(RecursionError):
+        [json.loads(line) for line in deep.read_text().splitlines()]

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.learning import DIGITS_EPOCHS  # the learning table's digits budget, the demo's too
+from contrastive_transfer.json_limits import read_json, read_json_lines
 from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,7 +308,7 @@ class Figure:
 
 
 def _read(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path) if path.is_file() else None
 
 
 def _detection(metrics: dict | None, key: str) -> Figure | None:
@@ -372,7 +373,7 @@ def budgets(budget: Budget, seed: int, chance: str = "") -> dict[str, str]:
 
 def pretrain_summary(pretrain_dir: Path) -> str:
     path = pretrain_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = read_json_lines(path) if path.is_file() else []
     steps = [r for r in rows if "loss" in r]
     if not steps:
         return "no pretraining figures (the stage failed or did not run)"
@@ -456,7 +457,7 @@ def claim_output(args) -> str | None:
     settings = {"recipe": args.recipe, "preset": args.preset, "seed": args.seed, "data": str(args.data)}
     record = args.out / "demo.json"
     if record.is_file():
-        held = json.loads(record.read_text())
+        held = read_json(record)
         if held != settings:
             diff = ", ".join(f"{k} {held.get(k)} (now {v})" for k, v in settings.items() if held.get(k) != v)
             return f"{args.out} holds another demo ({diff}); pass --fresh (FRESH=1) to redo it, or another --out"

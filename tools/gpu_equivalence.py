@@ -9,13 +9,14 @@ Prints one line per step and exits 1 when a step differs by more than --rtol (re
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from contrastive_transfer.json_limits import read_json_lines
+
 
 def losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_json_lines(run / "metrics.jsonl")
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 

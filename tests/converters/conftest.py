@@ -8,6 +8,8 @@ import torch
 import torchvision
 from torch import nn
 
+from ..hostile import model_shapes, stored_views
+
 
 def random_resnet(arch: str, seed: int, stem: str = "imagenet", image_size: int = 64) -> nn.Module:
     """A torchvision ResNet (fc = Identity, eval mode) whose BN layers all differ from identity.
@@ -45,15 +47,15 @@ def _meta_resnet18() -> nn.Module:
 
 
 def labelled_state_dict(sign: int) -> dict[str, torch.Tensor]:
-    """ResNet-18 shapes where every tensor holds its own value (its index, signed by encoder), stored
-    as a one-element expansion: the layout tests can tell every tensor apart and their files stay tiny."""
-    out = {}
-    for i, (name, v) in enumerate(_meta_resnet18().state_dict().items()):
-        out[name] = (
-            torch.tensor(sign * (i + 1))
-            if not v.is_floating_point()
-            else torch.tensor([sign * (i + 1.5)]).expand(v.shape)
-        )
+    """ResNet-18 shapes where every tensor is told apart by its values (tensor i starts at
+    sign * (i + 1.5); counters hold sign * (i + 1)), all views into one shared storage: the layout
+    tests can tell every tensor apart and their files stay small (hostile.stored_views)."""
+    shapes = model_shapes("resnet18")
+    largest = max(int(torch.Size(s).numel()) for s, _ in shapes.values())
+    out = stored_views(shapes, sign * (torch.arange(largest + len(shapes), dtype=torch.float32) + 1.5))
+    for i, name in enumerate(shapes):
+        if not out[name].is_floating_point():
+            out[name] = torch.tensor(sign * (i + 1))
     return out
 
 
@@ -249,16 +251,12 @@ def make_resnet():
 
 
 def expanded_state_dict(arch: str, stem: str = "imagenet") -> dict[str, torch.Tensor]:
-    """A torchvision ResNet's state dict (with fc) with the right shapes and one element of storage
-    per tensor: torch.save keeps the expansion, so even a ResNet-152 file is a few kB."""
-    with torch.device("meta"):
-        net = getattr(torchvision.models, arch)(weights=None)
-        if stem == "small":
-            net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
-    return {
-        k: torch.ones(1, dtype=v.dtype).expand(v.shape) if v.dim() else torch.tensor(0)
-        for k, v in net.state_dict().items()
-    }
+    """A torchvision ResNet's state dict (with fc) with the right shapes, every tensor a view into
+    one shared storage of ones (hostile.stored_views): even a wide ResNet-101 file is the size of
+    its largest tensor. (Once a one-element expansion; stride-0 weights are refused since issue 38.)"""
+    shapes = model_shapes(arch, stem, fc=True)
+    largest = max(int(torch.Size(s).numel()) for s, _ in shapes.values())
+    return stored_views(shapes, torch.ones(largest + len(shapes)))
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import pickle
 import re
 import zipfile
 from pathlib import Path
@@ -35,8 +34,8 @@ from yacs.config import CfgNode as _YacsNode
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.network import OPT_IN, fetch, fetch_to, is_url, local_name
 from contrastive_transfer.paths import escapes
-from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
-from contrastive_transfer.untrusted import read_untrusted, tensor_problem
+from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
+from contrastive_transfer.untrusted import open_untrusted, read_untrusted, tensor_problem
 from contrastive_transfer.yaml_limits import base_names, check_chain, compose_text
 from contrastive_transfer.yaml_limits import decode as decode_yaml
 from transfer.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
@@ -340,50 +339,46 @@ def fit_num_classes(cfg: CfgNode, classes: list[str] | None, opts: list[str]) ->
     return cfg, [f"{key} {old} -> {len(classes)}: the datasets' classes ({shown:.300})"]
 
 
+_HINT = "expected a .pkl written by `python -m converters.to_detectron2` or a detectron2 .pth checkpoint"
+
+
 def read_weights(path: str) -> dict:
-    """Read ``MODEL.WEIGHTS`` as detectron2 will (``.pkl``: pickle with ``model`` and
-    ``__author__``; other extensions: ``torch.load``) and fail with a one-line reason where
-    detectron2 would fail later or silently load nothing. Returns the name -> array dict."""
+    """Read ``MODEL.WEIGHTS`` with the project's one weights reader (``safe_load.load_weights_file``,
+    the one the converters and evaluators use, and the training processes' checkpointer too) and
+    fail with a one-line reason where detectron2 would fail later or silently load nothing.
+
+    Detection takes detectron2's formats only: a ``.pkl`` (detectron2 or Caffe2 names) or a torch
+    file in detectron2 names. The converters' and evaluators' other inputs (this project's
+    checkpoints, torchvision-named ``.pth``, ``.safetensors``) hold a torchvision ResNet, which needs
+    the renaming and the config fields ``converters.to_detectron2`` gives: one line says to convert
+    first. Returns the name -> array dict."""
     if not os.path.lexists(path):
         raise ConfigError(f"MODEL.WEIGHTS {path}: no such file")
-    hint = "expected a .pkl written by `python -m converters.to_detectron2` or a detectron2 .pth checkpoint"
-    if path.endswith(".pkl"):
-        try:
-            data = load_pickle(path)  # the restricted unpickler the training processes use too
-        except UnsafeFileError as e:
-            raise ConfigError(f"MODEL.WEIGHTS {e}") from None
-        except pickle.UnpicklingError as e:
-            # detectron2#2881 / vissl#375: torch.save output named .pkl (zip, or the legacy format
-            # whose pickle refers to tensor storages by persistent id)
-            saved_by_torch = zipfile.is_zipfile(path) or "persistent" in str(e) or "torch.save" in str(e)
-            extra = " (written by torch.save: rename it to .pth)" if saved_by_torch else ""
+    try:
+        if path.endswith(".pkl") and _is_torch_zip(path):
+            # detectron2 picks the reader by suffix and unpickles a .pkl (detectron2#2881 / vissl#375)
             raise ConfigError(
-                f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read ({_one_line(e)}){extra}; {hint}"
-            ) from None
-        except Exception as e:  # truncated / not a pickle at all
-            raise ConfigError(
-                f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {_one_line(e)}); {hint}"
-            ) from None
-        if not (isinstance(data, dict) and "model" in data and "__author__" in data) and not (
-            isinstance(data, dict) and ("blobs" in data or all(hasattr(v, "shape") for v in data.values()))
-        ):
-            found = sorted(map(str, data))[:5] if isinstance(data, dict) else type(data).__name__
-            raise ConfigError(
-                f"MODEL.WEIGHTS {path}: a .pkl needs the keys 'model' and '__author__' (found {found}); {hint}"
+                f"MODEL.WEIGHTS {path}: not a pickle detectron2 can read (a zip archive, written by torch.save: "
+                f"rename it to .pth); {_HINT}"
             )
-        model = data.get("model", data.get("blobs", data))
+        data = load_weights_file(path)
+    except UnsafeFileError as e:
+        raise ConfigError(f"MODEL.WEIGHTS {e}") from None
+    except ConfigError:
+        raise
+    except Exception as e:  # torch.load / pickle raise many types for a file that is not one
+        saved_by_torch = "persistent" in str(e) or "torch.save" in str(e)  # the legacy format named .pkl
+        extra = " (written by torch.save: rename it to .pth)" if saved_by_torch else ""
+        raise ConfigError(
+            f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {_one_line(e)}){extra}; {_HINT}"
+        ) from None
+    _refuse_torchvision_names(path, data)
+    if path.endswith(".pkl"):
+        model = _pkl_model(path, data)
     else:
-        try:
-            data = torch_load(path)
-        except UnsafeFileError as e:
-            raise ConfigError(f"MODEL.WEIGHTS {e}") from None
-        except Exception as e:
-            raise ConfigError(
-                f"MODEL.WEIGHTS {path}: torch.load failed ({type(e).__name__}: {_one_line(e)}); {hint}"
-            ) from None
         model = data.get("model", data) if isinstance(data, dict) else None
     if not isinstance(model, dict) or not any(hasattr(v, "shape") for v in model.values()):
-        raise ConfigError(f"MODEL.WEIGHTS {path}: holds no tensors; {hint}")
+        raise ConfigError(f"MODEL.WEIGHTS {path}: holds no tensors; {_HINT}")
     for name, value in model.items():  # NaN weights would train (or evaluate) to garbage without a word
         if not isinstance(value, (torch.Tensor, np.ndarray)):
             continue  # detectron2 skips what is not an array
@@ -393,3 +388,40 @@ def read_weights(path: str) -> dict:
         if problem is not None:
             raise ConfigError(f"MODEL.WEIGHTS {path}: {name} {problem}")
     return model
+
+
+def _is_torch_zip(path: str) -> bool:
+    with open_untrusted(path, "weights") as f:
+        return zipfile.is_zipfile(f)
+
+
+def _refuse_torchvision_names(path: str, data: object) -> None:
+    """A file the converters and evaluators read as a torchvision ResNet (or any ``.safetensors``,
+    which detectron2's checkpointer cannot open): one line saying to convert it first."""
+    from converters.checkpoint_io import backbone_layout
+
+    layout = backbone_layout(data)
+    if not path.endswith(".safetensors") and layout in (None, "detectron2"):
+        return
+    what = (
+        f"a ResNet in torchvision names ({layout} layout)"
+        if layout not in (None, "detectron2")
+        else "a .safetensors file"
+    )
+    raise ConfigError(
+        f"MODEL.WEIGHTS {path}: {what}, which detectron2 does not read; detection takes detectron2 weights: "
+        f"convert it first with `python -m converters.to_detectron2 {path} OUT.pkl` and use the config fields "
+        "it prints (docs/security.md)"
+    )
+
+
+def _pkl_model(path: str, data: object) -> dict:
+    """The arrays of a detectron2 (``model`` + ``__author__``) or Caffe2 (``blobs`` or flat) ``.pkl``."""
+    if not (isinstance(data, dict) and "model" in data and "__author__" in data) and not (
+        isinstance(data, dict) and ("blobs" in data or all(hasattr(v, "shape") for v in data.values()))
+    ):
+        found = sorted(map(str, data))[:5] if isinstance(data, dict) else type(data).__name__
+        raise ConfigError(
+            f"MODEL.WEIGHTS {path}: a .pkl needs the keys 'model' and '__author__' (found {found}); {_HINT}"
+        )
+    return data.get("model", data.get("blobs", data))

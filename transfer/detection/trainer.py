@@ -10,15 +10,16 @@ import weakref
 
 import torch
 from detectron2.checkpoint import DetectionCheckpointer
-from detectron2.data import MetadataCatalog
+from detectron2.data import DatasetMapper, MetadataCatalog, build_detection_test_loader, build_detection_train_loader
 from detectron2.engine import AMPTrainer, DefaultTrainer, HookBase, SimpleTrainer, TrainerBase, create_ddp_model
 from detectron2.evaluation import COCOEvaluator, PascalVOCDetectionEvaluator
 from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
 from contrastive_transfer.cli import UserError
+from contrastive_transfer.images import check_image
 from contrastive_transfer.preempt import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, Preempted, PreemptSignals
-from contrastive_transfer.safe_load import UnsafeFileError, load_pickle, torch_load
+from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
 
 logger = logging.getLogger("detectron2")
 
@@ -54,9 +55,10 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
     def _load_file(self, filename):
         # detectron2 unpickles .pkl files with plain pickle (detectron2#5456) and leaves torch.load's
         # weights_only to the torch default: inside the training processes every weights file goes
-        # through the same safe loaders as the check before training (contrastive_transfer.safe_load).
+        # through the project's one weights reader (safe_load.load_weights_file), as the check
+        # before training (config.read_weights) and the converters and evaluators do.
         if filename.endswith(".pkl"):
-            data = load_pickle(filename)
+            data = load_weights_file(filename)
             if isinstance(data, dict) and "model" in data and "__author__" in data:
                 return data
             if isinstance(data, dict) and "blobs" in data:  # Caffe2 / Detectron1 detection models
@@ -66,13 +68,13 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
             data = {k: v for k, v in data.items() if not k.endswith("_momentum")}
             return {"model": data, "__author__": "Caffe2", "matching_heuristics": True}
         if filename.endswith(".pyth"):  # pycls, read as detectron2 does but weights-only
-            data = torch_load(filename)
+            data = load_weights_file(filename)
             state = {k: v for k, v in data["model_state"].items() if not k.endswith("num_batches_tracked")}
             return {"model": state, "__author__": "pycls", "matching_heuristics": True}
         return super()._load_file(filename)
 
     def _torch_load(self, f):
-        return torch_load(f)
+        return load_weights_file(f)
 
     def _load_model(self, checkpoint):
         incompatible = super()._load_model(checkpoint)
@@ -125,6 +127,18 @@ class PreemptHook(HookBase):
         raise Preempted(name)
 
 
+class ImageCheckingMapper(DatasetMapper):
+    """detectron2's DatasetMapper, after the project's image check (``images.check_image``): the
+    file through the gate (a FIFO swapped in after the datasets were checked is refused, not
+    waited on) and its pixel count from the header before detectron2 decodes it. Pillow alone
+    decodes a header claiming up to 2^29 pixels (a 1.6 GB RGB array) with a warning, and above
+    that raises an error that is no OSError (a traceback in a data worker)."""
+
+    def __call__(self, dataset_dict):
+        check_image(dataset_dict["file_name"])
+        return super().__call__(dataset_dict)
+
+
 class Trainer(DefaultTrainer):
     def __init__(self, cfg):
         # DefaultTrainer.__init__, except for two lines: DDP gets `device_ids` only for a CUDA
@@ -151,6 +165,14 @@ class Trainer(DefaultTrainer):
         # checkpointer and the evaluation (a long evaluation would eat the grace period).
         hooks.insert(2, PreemptHook())
         return hooks
+
+    @classmethod
+    def build_train_loader(cls, cfg):
+        return build_detection_train_loader(cfg, mapper=ImageCheckingMapper(cfg, is_train=True))
+
+    @classmethod
+    def build_test_loader(cls, cfg, dataset_name):
+        return build_detection_test_loader(cfg, dataset_name, mapper=ImageCheckingMapper(cfg, is_train=False))
 
     @classmethod
     def build_evaluator(cls, cfg, dataset_name, output_folder=None):

@@ -1,0 +1,142 @@
+"""One reader per format at every entry point (issue 38, item 6), on the files the project's own
+commands write: a pretraining checkpoint, what ``converters.to_torchvision`` (.pth, .safetensors),
+``converters.to_detectron2`` (.pkl) and ``converters.legacy_to_safe`` (.pth, .pkl, .safetensors)
+write from it, and a detectron2 model in detectron2's names.
+
+The evaluators (kNN, linear, VOC07 SVM, npc) and the converters all read weights with
+``converters.checkpoint_io.load_backbone`` (``transfer.features``, ``pretrain.analysis.npc``,
+``converters.cli``): each file is read there and must give the same backbone. Detection takes
+detectron2's formats; every other file is one line naming it and saying to convert it first."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from contrastive_transfer.contract import backbone_record
+
+DETECTION_ACCEPTS = {"d2.pkl", "d2_model.pth"}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """name -> path of every file the project's commands write from one pretraining checkpoint."""
+    import torchvision
+
+    from converters import legacy_to_safe, to_detectron2, to_torchvision
+    from converters.to_detectron2 import detectron2_name
+
+    root = tmp_path_factory.mktemp("outputs")
+    torch.manual_seed(0)  # stored values (no stride-0 views: weights must hold what they show)
+    sd = {k: v for k, v in torchvision.models.resnet18(weights=None).state_dict().items() if not k.startswith("fc.")}
+    record = backbone_record(
+        sd, None, arch="resnet18", stem="imagenet", image_size=64, method="simclr", step=1, git_sha="x", config={}
+    )
+    torch.save(record, root / "checkpoint_final.pth")
+    to_torchvision.convert(root / "checkpoint_final.pth", root / "tv.pth")
+    to_torchvision.convert(root / "checkpoint_final.pth", root / "tv.safetensors")
+    to_detectron2.convert(root / "checkpoint_final.pth", root / "d2.pkl")
+    for suffix in (".pth", ".pkl", ".safetensors"):
+        legacy_to_safe.main([str(root / "tv.pth"), str(root / f"legacy{suffix}"), "--i-trust-this-file"])
+    # what a detection run writes (model_final.pth): the backbone under backbone.bottom_up., heads beside
+    model = {f"backbone.bottom_up.{detectron2_name(k)}": v for k, v in sd.items() if not k.startswith("fc.")}
+    torch.save(
+        {"model": {**model, "roi_heads.box_predictor.cls_score.weight": torch.zeros(21, 8)}, "iteration": 9},
+        root / "d2_model.pth",
+    )
+    return {p.name: p for p in sorted(root.iterdir())}, sd
+
+
+def test_the_evaluators_and_converters_read_every_output_as_the_same_backbone(outputs):
+    from converters.checkpoint_io import load_backbone
+
+    files, sd = outputs
+    assert len(files) == 8
+    for name, path in files.items():
+        backbone = load_backbone(path)
+        assert backbone.arch == "resnet18", name
+        for k, v in backbone.state_dict.items():  # independent reference: the tensors saved
+            assert torch.equal(v, sd[k].float() if v.is_floating_point() else sd[k]), (name, k)
+
+
+def test_detection_reads_detectron2_formats_and_names_the_conversion_for_the_others(outputs):
+    pytest.importorskip("detectron2")
+    from contrastive_transfer.errors import ConfigError
+    from transfer.detection.config import read_weights
+
+    files, sd = outputs
+    for name, path in files.items():
+        if name in DETECTION_ACCEPTS:
+            model = read_weights(str(path))
+            weight = model[next(k for k in model if k.endswith("stem.conv1.weight"))]
+            assert np.array_equal(np.asarray(weight), sd["conv1.weight"].numpy()), name
+            continue
+        with pytest.raises(ConfigError) as e:
+            read_weights(str(path))
+        line = str(e.value)
+        assert "\n" not in line and str(path) in line, line
+        assert f"python -m converters.to_detectron2 {path} OUT.pkl" in line, line
+        assert "trust" not in line, line  # never "if you trust its source" for the project's own output
+
+
+def test_control_detection_read_safetensors_as_a_pickle_and_torchvision_names_passed(outputs):
+    """Before: detection read every non-.pkl with torch.load, so the converter's .safetensors was
+    called an unsafe pickle (the user told to trust it), and a torchvision-named .pth passed the
+    check only to leave every backbone tensor unloaded inside detectron2's training."""
+    from contrastive_transfer.safe_load import UnsafeFileError, torch_load
+
+    files, _ = outputs
+    with pytest.raises((UnsafeFileError, pickle.UnpicklingError)) as e:
+        torch_load(files["tv.safetensors"])
+    assert "if you trust its source" in str(e.value) or "load key" in str(e.value)
+    loaded = torch_load(files["tv.pth"])
+    assert "conv1.weight" in loaded and not any(k.startswith("stem.") for k in loaded)
+
+
+def test_stride0_weights_are_refused_by_the_converters_evaluators_and_detection(tmp_path):
+    """A weight of the right shape that repeats one stored value: the file is a few kB, reading it
+    costs its whole shape. Refused from the metadata wherever weights are read, naming the tensor."""
+    pytest.importorskip("detectron2")
+    from contrastive_transfer.errors import ConfigError
+    from contrastive_transfer.untrusted import check_loaded_tensors
+    from converters.checkpoint_io import CheckpointError, load_backbone
+    from converters.to_detectron2 import detectron2_name
+    from transfer.detection.config import read_weights
+
+    from .hostile import resnet18_state
+
+    sd = resnet18_state()
+    sd["layer4.1.conv2.weight"] = torch.full((1,), 0.5).expand(512, 512, 3, 3)
+    torch.save(sd, tmp_path / "tv.pth")
+    torch.save({"model": {detectron2_name(k): v for k, v in sd.items()}}, tmp_path / "d2.pth")
+    # control: the attack is live without the rule; the file is ~1000x smaller than what it shows,
+    # and the storage check alone (what other kinds of state get) lets it through
+    loaded = torch.load(tmp_path / "tv.pth", weights_only=True)
+    shown = loaded["layer4.1.conv2.weight"].contiguous().nbytes
+    assert shown > 1000 * loaded["layer4.1.conv2.weight"].untyped_storage().nbytes()
+    check_loaded_tensors(loaded, tmp_path / "tv.pth", "weights")
+    with pytest.raises(
+        CheckpointError, match=r"tv\.pth: layer4\.1\.conv2\.weight has stride 0 .*expected stored values"
+    ):
+        load_backbone(tmp_path / "tv.pth")
+    with pytest.raises(ConfigError, match=r"d2\.pth: res5\.1\.conv2\.weight has stride 0 .*expected stored values"):
+        read_weights(str(tmp_path / "d2.pth"))
+
+
+def test_tied_weights_in_one_storage_convert_to_safetensors(tmp_path):
+    """Tensors that share a storage (tied weights) are contiguous views, not repeats: they are read,
+    and each gets its own storage (safetensors refuses shared memory)."""
+    from safetensors.torch import load_file
+
+    from converters import to_torchvision
+
+    from .hostile import model_shapes, stored_views
+
+    sd = stored_views(model_shapes("resnet18"), torch.arange(3_000_000, dtype=torch.float32))
+    torch.save(sd, tmp_path / "tied.pth")
+    to_torchvision.convert(tmp_path / "tied.pth", tmp_path / "out.safetensors")
+    out = load_file(tmp_path / "out.safetensors")
+    assert all(torch.equal(out[k], v.float() if v.is_floating_point() else v) for k, v in sd.items())
