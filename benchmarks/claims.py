@@ -245,8 +245,9 @@ def _adco() -> Claim:
         'epochs" (Figure 1, both with K = 65,536 negatives; R-50 ImageNet linear). At 200 epochs (Table 1): '
         "AdCo 68.6, MoCo v2 67.5.",
         "20, 10 and 5 epochs, each a full run with its own schedule (warm-up and cosine decay); AdCo's bank "
-        "set to 256 vectors to match MoCo v2's 256-key queue (the tiny AdCo recipe has 32); each recipe keeps "
-        "its own momentum (MoCo v2 0.9, AdCo 0.99).",
+        "set to 256 vectors to match MoCo v2's 256-key queue (the tiny AdCo recipe has 32); both with the tiny "
+        "recipes' momentum 0.9, as the paper gives both MoCo v2's 0.999 (runs before 2026-11-26 had AdCo at "
+        "0.99 and are not shown).",
         tuple(arm for e in epochs for arm in (moco[e], adco[e])),
         tuple(
             Comparison(
