@@ -578,13 +578,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=Path, default=RUNS_FILE, help="the measured runs (JSON lines, committed)")
     parser.add_argument("--out", default=None, help="default benchmarks/learning.md, learning_digits.md")
     parser.add_argument("--fresh", action="store_true", help="measure the rows again")
+    parser.add_argument(
+        "--plan", action="store_true", help="rewrite --out from the runs file and list the runs missing; train nothing"
+    )
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     args.epochs = args.epochs or preset.epochs
     data, out = Path(args.data or preset.root).resolve(), Path(args.out or preset.out)
     # the synthetic runs keep their folder of before (its rows are carried into the runs file)
     work = run_folder(Path(args.work).resolve(), preset.name, args.epochs)
-    ensure_data(data, preset.name)
+    if not args.plan:
+        ensure_data(data, preset.name)
     if preset.name == "small":
         carry_legacy_rows(work, args.runs, preset.name)
     every = tiny_recipes()
@@ -598,6 +602,14 @@ def main(argv: list[str] | None = None) -> None:
 
     def table() -> None:
         write_table(current_runs(read_runs(args.runs), preset.name, hashes), every, out, args)
+
+    if args.plan:
+        table()
+        kept = current_runs(read_runs(args.runs), preset.name, hashes)
+        for recipe in every:
+            done = {r["seed"] for r in kept.get(recipe, [])}
+            print(f"{recipe}: missing seeds {[s for s in range(args.seeds) if s not in done] or 'none'}")
+        return
 
     for seed in range(args.seeds):
         for recipe in chosen:

@@ -268,3 +268,17 @@ def test_a_measured_row_is_one_json_line_keyed_by_its_experiment(tmp_path, monke
     assert row["steps"] == 7
     assert learning.row_hash(row) == row["config_hash"] == learning.config_hash(recipe, 3, 1)
     assert learning.row_hash({**row, "config_hash": "stale"}) == row["config_hash"]  # the stored experiment wins
+
+
+def test_plan_writes_the_table_from_the_runs_file_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    runs = tmp_path / "runs.jsonl"
+    learning.append_run(runs, {**_row("tiny_simclr", 70.0), "preset": "digits"})
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0, extra=(): "abc")
+    monkeypatch.setattr(learning, "measure", lambda *a, **k: pytest.fail("--plan trained"))
+    monkeypatch.setattr(learning, "ensure_data", lambda *a, **k: pytest.fail("--plan made data"))
+    out = tmp_path / "digits.md"
+    learning.main(["--preset", "digits", "--plan", "--seeds", "2", "--runs", str(runs), "--out", str(out),
+                   "--data", str(tmp_path / "none"), "--work", str(tmp_path / "w")])  # fmt: skip
+    assert "| tiny_simclr | simclr | 0 | 70.0 | 49.7 | +20.3 | - | ✓ |" in out.read_text()
+    printed = capsys.readouterr().out
+    assert "tiny_simclr: missing seeds [1]" in printed and "tiny_dcl: missing seeds [0, 1]" in printed
