@@ -170,12 +170,15 @@ def test_digits_demo_plans_the_digits_data_their_budget_and_folders(tmp_path, mo
 
 
 def test_make_demo_data_digits_runs_the_digits_preset():
-    """DATA names the data (synthetic, digits) or is a folder, as before."""
+    """DATA names the data (digits, the default; synthetic) or is a folder; a synthetic PRESET picks
+    the synthetic data."""
 
     def demo_line(*variables):
         res = subprocess.run(["make", "-n", "demo", *variables], cwd=DEMO.parents[1], capture_output=True, text=True)
         return next(line for line in res.stdout.splitlines() if "tools/demo.py" in line)
 
     assert "tools/demo.py --data datasets/digits --preset digits " in demo_line("DATA=digits")
-    assert "tools/demo.py --data datasets/synthetic --preset small " in demo_line()
+    assert "tools/demo.py --data datasets/digits --preset digits " in demo_line()
+    assert "tools/demo.py --data datasets/synthetic --preset small " in demo_line("DATA=synthetic")
+    assert "tools/demo.py --data datasets/synthetic --preset tiny " in demo_line("PRESET=tiny")
     assert "tools/demo.py --data some/folder --preset tiny " in demo_line("DATA=some/folder", "PRESET=tiny")
