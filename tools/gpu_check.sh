@@ -7,8 +7,10 @@
 #   3. JPEGs decoded on the GPU (data.backend=device, nvJPEG): a run that trains, and the data path's
 #      images/s per core and on the GPU (python -m benchmarks.data --device cuda), the batched decode
 #      alone with TorchCodec's decoder and torchvision's (both, where TorchCodec is installed).
+# Each section runs on its own: a failed one is reported (with its log) in benchmarks/gpu.md and the
+# next one still runs, so one broken part does not cost the figures of the others.
 # Usage: bash tools/gpu_check.sh            (after `make setup` with a CUDA build of torch)
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DATA=${DATA:-datasets/synthetic}
@@ -21,20 +23,21 @@ run() {  # run NAME NPROC RECIPE [overrides...]
   local name=$1 nproc=$2 recipe=$3; shift 3
   $PY -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m pretrain \
     --config "configs/pretrain/$recipe.yaml" "data.root=$DATA/imagenet/train" "train.output_dir=$WORK/$name" \
-    train.max_steps=5 train.log_every=1 train.batch_size=64 train.resume=none "$@" > "$WORK/$name.log" 2>&1 \
-    || { echo "error: $name failed, see $WORK/$name.log"; exit 1; }
+    train.max_steps=5 train.log_every=1 train.batch_size=64 train.resume=none train.cpu=false "$@" > "$WORK/$name.log" 2>&1 \
+    || { echo "error: $name failed, see $WORK/$name.log"; tail -n 5 "$WORK/$name.log"; return 1; }
 }
-echo "== 1. equivalence"
+section_equivalence() {
 if [ "$GPUS" -ge 2 ]; then
-  run simclr_1gpu 1 tiny_simclr
-  run simclr_2gpu 2 tiny_simclr
+  run simclr_1gpu 1 tiny_simclr && run simclr_2gpu 2 tiny_simclr || return 1
   $PY tools/gpu_equivalence.py "$WORK/simclr_2gpu" "$WORK/simclr_1gpu" --rtol 1e-3 | tee "$WORK/equivalence.txt"
-  run mocov2_2gpu 2 tiny_mocov2
+  run mocov2_2gpu 2 tiny_mocov2 || return 1
   echo "mocov2 on 2 GPUs: $(grep -c '"loss"' "$WORK/mocov2_2gpu/metrics.jsonl") finite steps logged" | tee -a "$WORK/equivalence.txt"
 else
   echo "one GPU: the 2-GPU equivalence needs two (skipped)" | tee "$WORK/equivalence.txt"
 fi
-echo "== 2. speed and memory"
+}
+section_speed() {
+local status=0
 RECIPES=${RECIPES:-tiny_mocov2,tiny_simclr}
 for variant in "fp32:train.mixed_precision=no" "bf16:train.mixed_precision=bf16" \
                "bf16_nchw:train.mixed_precision=bf16 train.channels_last=false" \
@@ -43,20 +46,31 @@ for variant in "fp32:train.mixed_precision=no" "bf16:train.mixed_precision=bf16"
   for kv in ${variant#*:}; do sets="$sets --set=$kv"; done
   # shellcheck disable=SC2086
   $PY -m benchmarks.pretraining --device cuda --no-augmentation --recipes "$RECIPES" --data-root "$DATA/imagenet/train" \
-    --set=data.image_size=224 --set=train.batch_size=128 $sets --out "$WORK/bench_$name.md"
+    --set=data.image_size=224 --set=train.batch_size=128 --set=train.cpu=false $sets --out "$WORK/bench_$name.md" || status=1
 done
-echo "== 3. decode on the GPU (data.backend=device)"
-run mocov2_device 1 tiny_mocov2 data.backend=device
+return $status
+}
+section_device() {
+run mocov2_device 1 tiny_mocov2 data.backend=device || return 1
 echo "mocov2, data.backend=device: $(grep -c '"loss"' "$WORK/mocov2_device/metrics.jsonl") finite steps logged" \
   | tee "$WORK/device.txt"
 $PY -m benchmarks.data --device cuda --runs 5 --out "$WORK/data_device.md" > /dev/null
+}
+failed=""
+for section in equivalence device speed; do  # the data path before the long compiled runs
+  echo "== $section"
+  "section_$section" || { echo "error: section $section failed"; failed="$failed $section"; }
+done
 {
   echo "# GPU check"
   echo
   echo "\`bash tools/gpu_check.sh\` on $($PY -c 'import torch; print(torch.cuda.get_device_name())') x $GPUS, $(date -u +%F)."
   echo
-  echo "## Equivalence"; echo; echo '```'; cat "$WORK/equivalence.txt"; echo '```'
-  for f in "$WORK"/bench_*.md; do echo; echo "## $(basename "$f" .md)"; tail -n +2 "$f"; done
-  echo; echo "## Decode on the GPU (data.backend=device)"; echo; cat "$WORK/device.txt"; tail -n +2 "$WORK/data_device.md"
+  [ -z "$failed" ] || { echo "Sections that failed (their logs are under $WORK):$failed."; echo; }
+  echo "## Equivalence"; echo; echo '```'; cat "$WORK/equivalence.txt" 2>/dev/null; echo '```'
+  for f in "$WORK"/bench_*.md; do [ -f "$f" ] || continue; echo; echo "## $(basename "$f" .md)"; tail -n +2 "$f"; done
+  echo; echo "## Decode on the GPU (data.backend=device)"; echo
+  cat "$WORK/device.txt" 2>/dev/null; [ -f "$WORK/data_device.md" ] && tail -n +2 "$WORK/data_device.md"
 } > benchmarks/gpu.md
 echo "wrote benchmarks/gpu.md"
+[ -z "$failed" ]
