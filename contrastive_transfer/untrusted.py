@@ -202,24 +202,27 @@ def check_archive(f: IO[bytes], path: str | os.PathLike, kind: str) -> bool:
 # ----------------------------------------------------------------------------------------- tensors
 
 
-def _view_problem(t: torch.Tensor, max_bytes: int | None = None) -> str | None:
-    """Why the strided tensor ``t`` views more than its storage holds, or None. From the metadata
-    alone: no element is read. ``max_bytes``: a view repeating stored elements (stride 0, overlap)
-    may describe at most this many bytes (None: it may not repeat any)."""
+def _view_problem(t: torch.Tensor) -> str | None:
+    """Why the strided tensor ``t`` is not a plain view of its storage, or None: a negative offset
+    or stride, a view past the storage's end, or one that repeats stored elements (a stride of 0
+    along a dimension longer than 1, or more elements than stored). From the metadata alone: no
+    element is read. No file the project or torch writes holds such a view; a crafted one costs
+    its whole shape in memory the moment any element-wise check or copy touches it."""
     if t.numel() == 0:
         return None
     if t.storage_offset() < 0 or any(s < 0 for s in t.stride()):
         return f"has a negative offset or stride {tuple(t.stride())}"
+    if _repeats(t.shape, t.stride()):
+        return f"has stride 0 (shape {tuple(t.shape)}, strides {tuple(t.stride())}), expected stored values"
     itemsize = max(t.element_size(), 1)
     storage = t.untyped_storage().nbytes() // itemsize
     reach = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     if reach >= storage:
         return f"views element {reach} of a storage of {storage}"
-    if t.numel() > storage and (max_bytes is None or t.numel() * itemsize > max_bytes):
-        past = "" if max_bytes is None else f" past {_size(max_bytes)}"
+    if t.numel() > storage:
         return (
             f"views {t.numel()} elements of a storage of {storage} (shape {tuple(t.shape)}, strides "
-            f"{tuple(t.stride())}): stored values repeated{past}"
+            f"{tuple(t.stride())}): stored values repeated"
         )
     return None
 
@@ -247,8 +250,6 @@ def tensor_problem(value: Any, integer_ok: bool = False) -> str | None:
         return f"is {what} tensor, expected a dense tensor with values"
     if value.is_complex() or not (value.is_floating_point() or (integer_ok and _is_integer(value.dtype))):
         return f"has dtype {value.dtype}, expected real floating point weights"
-    if _repeats(value.shape, value.stride()):
-        return f"has stride 0 (shape {tuple(value.shape)}, strides {tuple(value.stride())}), expected stored values"
     problem = _view_problem(value)
     if problem is not None:
         return problem
@@ -290,12 +291,12 @@ def walk_tensors(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def check_loaded_tensors(obj: Any, path: str | os.PathLike, kind: str) -> None:
-    """Every dense tensor anywhere in a loaded file views only what its storage holds, and one
-    that repeats stored values (stride 0) describes no more than ``kind``'s cap: from the
-    metadata, nothing is read."""
-    cap = _kind(kind).cap
+    """Every dense tensor anywhere in a loaded file (weights or a training or probe state) is a
+    plain view of its storage (``_view_problem``): the same rule as ``tensor_problem``'s for
+    weights, from the metadata, nothing read."""
+    _kind(kind)  # a kind the gate knows
     for where, item in walk_tensors(obj):
         if item.layout == torch.strided and not item.is_meta:
-            problem = _view_problem(item, max_bytes=cap)
+            problem = _view_problem(item)
             if problem is not None:
                 raise _refuse(path, f"tensor {where} {problem}")

@@ -222,6 +222,26 @@ def _safetensors_record(ckpt, source: str) -> dict | None:
     }
 
 
+def pycls_problem(ckpt) -> str | None:
+    """Why a pycls checkpoint (``model_state`` in pycls names: ``stem.conv``, ``s1.b1.f.a``, ...) is
+    read nowhere, or None when ``ckpt`` is not one. One sentence for every entry point, the
+    evaluators, the converters and detection alike (detectron2 alone would read it by its ``.pyth``
+    suffix, with matching heuristics that fit pycls's RegNets, not a ResNet's stages).
+
+    Its ResNet cannot be read faithfully: where a block's stride sits (the 1x1 or the 3x3 conv) is
+    pycls's ``RESNET.STRIDE_1X1``, whose default changed between pycls versions, and the weights do
+    not record it (a strided 1x1 has the shape of an unstrided one)."""
+    state = _container(ckpt, "model_state")
+    if not state or not any(k.startswith("stem.conv.") or re.match(r"s\d+\.b\d+\.", k) for k in state):
+        return None
+    return (
+        "a pycls checkpoint (model_state, names stem.conv, s1.b1.f.a, ...): not read, because its weights do not "
+        "record where each block's stride is (pycls's RESNET.STRIDE_1X1) and the ResNet read from them could "
+        "compute another network; export the backbone in torchvision names from pycls with the config it was "
+        "trained with"
+    )
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
@@ -239,6 +259,9 @@ def _describe(ckpt) -> str:
             if k.endswith("conv1.weight")
         }
     )[:4]
+    pycls = pycls_problem(ckpt)
+    if pycls is not None:
+        return pycls
     caffe2 = any(k in (_container(ckpt, "model") or {}) for k in ("conv1_w", "res_conv1_bn_s"))
     if caffe2:  # the MSRA / Detectron1 ImageNet models of detectron2's model zoo (R-50.pkl)
         return (

@@ -190,6 +190,8 @@ def _torch_mutants(valid: Callable[[], dict], weights: bool) -> list[tuple[str, 
         ("truncated", _bytes(lambda: torch_bytes(valid())[:200])),
         ("zip_bomb", _bytes(lambda: zip_bomb(torch_bytes(valid())))),
         ("stride0_16GiB", _bytes(with_tensor(torch.zeros(1, dtype=torch.float64).expand(1 << 31)))),
+        # small enough for any cap: refused as a repeat, not for its size
+        ("stride0_4MiB", _bytes(with_tensor(torch.zeros(1).expand(1 << 20)))),
         ("legacy_declares_4GiB", _bytes(lambda: legacy_declaring(1 << 30))),
         ("top_level_list", _bytes(lambda: torch_bytes([1, 2, 3]))),
         ("payload", lambda path: path.write_bytes(pickle.dumps({"x": Payload(path.parent / "MARKER")}))),

@@ -11,6 +11,7 @@ detectron2's formats; every other file is one line naming it and saying to conve
 from __future__ import annotations
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -101,7 +102,7 @@ def test_stride0_weights_are_refused_by_the_converters_evaluators_and_detection(
     costs its whole shape. Refused from the metadata wherever weights are read, naming the tensor."""
     pytest.importorskip("detectron2")
     from contrastive_transfer.errors import ConfigError
-    from contrastive_transfer.untrusted import check_loaded_tensors
+    from contrastive_transfer.untrusted import UnsafeFileError, check_loaded_tensors
     from converters.checkpoint_io import CheckpointError, load_backbone
     from converters.to_detectron2 import detectron2_name
     from transfer.detection.config import read_weights
@@ -112,17 +113,21 @@ def test_stride0_weights_are_refused_by_the_converters_evaluators_and_detection(
     sd["layer4.1.conv2.weight"] = torch.full((1,), 0.5).expand(512, 512, 3, 3)
     torch.save(sd, tmp_path / "tv.pth")
     torch.save({"model": {detectron2_name(k): v for k, v in sd.items()}}, tmp_path / "d2.pth")
-    # control: the attack is live without the rule; the file is ~1000x smaller than what it shows,
-    # and the storage check alone (what other kinds of state get) lets it through
+    # control: the attack is live without the rule: torch reads the file, ~1000x smaller than what it shows
     loaded = torch.load(tmp_path / "tv.pth", weights_only=True)
     shown = loaded["layer4.1.conv2.weight"].contiguous().nbytes
     assert shown > 1000 * loaded["layer4.1.conv2.weight"].untyped_storage().nbytes()
-    check_loaded_tensors(loaded, tmp_path / "tv.pth", "weights")
+    # the same rule for every kind of file, a training state's included (one reader, one rule)
+    for kind in ("weights", "training state"):
+        with pytest.raises(UnsafeFileError, match=r"tv\.pth: .*tensor layer4\.1\.conv2\.weight has stride 0"):
+            check_loaded_tensors(loaded, tmp_path / "tv.pth", kind)
     with pytest.raises(
-        CheckpointError, match=r"tv\.pth: layer4\.1\.conv2\.weight has stride 0 .*expected stored values"
+        CheckpointError, match=r"tv\.pth: (tensor )?layer4\.1\.conv2\.weight has stride 0 .*expected stored values"
     ):
         load_backbone(tmp_path / "tv.pth")
-    with pytest.raises(ConfigError, match=r"d2\.pth: res5\.1\.conv2\.weight has stride 0 .*expected stored values"):
+    with pytest.raises(
+        ConfigError, match=r"d2\.pth: (tensor )?(model\.)?res5\.1\.conv2\.weight has stride 0 .*expected stored values"
+    ):
         read_weights(str(tmp_path / "d2.pth"))
 
 
@@ -140,3 +145,51 @@ def test_tied_weights_in_one_storage_convert_to_safetensors(tmp_path):
     to_torchvision.convert(tmp_path / "tied.pth", tmp_path / "out.safetensors")
     out = load_file(tmp_path / "out.safetensors")
     assert all(torch.equal(out[k], v.float() if v.is_floating_point() else v) for k, v in sd.items())
+
+
+def _pycls_name(name: str) -> str:
+    """torchvision ResNet-18 names as pycls's ResNet names them (pycls/models/resnet.py)."""
+    for old, new in (
+        (r"^conv1\.", "stem.conv."),
+        (r"^bn1\.", "stem.bn."),
+        (r"^layer(\d)\.(\d+)\.", lambda m: f"s{m.group(1)}.b{int(m.group(2)) + 1}."),
+        (r"\.downsample\.0\.", ".proj."),
+        (r"\.downsample\.1\.", ".bn."),
+        (r"\.conv1\.", ".f.a."),
+        (r"\.bn1\.", ".f.a_bn."),
+        (r"\.conv2\.", ".f.b."),
+        (r"\.bn2\.", ".f.b_bn."),
+        (r"^fc\.", "head.fc."),
+    ):
+        name = re.sub(old, new, name)
+    return name
+
+
+def test_a_pycls_checkpoint_gets_the_same_line_from_the_evaluators_converters_and_detection(tmp_path, capsys):
+    """pycls's ResNet weights do not record where each block's stride is, so no entry point reads
+    them: the evaluators, the converters and detection all refuse with one and the same sentence."""
+    pytest.importorskip("detectron2")
+    from contrastive_transfer.errors import ConfigError
+    from converters.checkpoint_io import CheckpointError, load_backbone
+    from converters.to_detectron2 import main as to_detectron2
+    from transfer.detection.config import read_weights
+
+    from .hostile import resnet18_state
+
+    sd = resnet18_state()
+    pycls = {_pycls_name(k): v for k, v in sd.items()}
+    assert "s4.b2.f.b_bn.weight" in pycls and "s2.b1.proj.weight" in pycls
+    torch.save({"model_state": pycls, "optimizer_state": {}, "epoch": 99}, tmp_path / "R-18.pyth")
+    torch.save({"state_dict": sd}, tmp_path / "control.pth")  # the same tensors, torchvision names: read
+    assert load_backbone(tmp_path / "control.pth").arch == "resnet18"
+    sentence = "a pycls checkpoint (model_state, names stem.conv, s1.b1.f.a, ...): not read"
+    with pytest.raises(CheckpointError) as evaluator:
+        load_backbone(tmp_path / "R-18.pyth")
+    with pytest.raises(ConfigError) as detection:
+        read_weights(str(tmp_path / "R-18.pyth"))
+    capsys.readouterr()
+    assert to_detectron2([str(tmp_path / "R-18.pyth"), str(tmp_path / "out.pkl")]) != 0
+    converter = capsys.readouterr().err.strip()
+    for message in (str(evaluator.value), str(detection.value), converter):
+        assert "R-18.pyth" in message and sentence in message and "\n" not in message, message
+    assert not (tmp_path / "out.pkl").exists()

@@ -398,8 +398,11 @@ def _is_torch_zip(path: str) -> bool:
 def _refuse_torchvision_names(path: str, data: object) -> None:
     """A file the converters and evaluators read as a torchvision ResNet (or any ``.safetensors``,
     which detectron2's checkpointer cannot open): one line saying to convert it first."""
-    from converters.checkpoint_io import backbone_layout
+    from converters.checkpoint_io import backbone_layout, pycls_problem
 
+    pycls = pycls_problem(data)
+    if pycls is not None:  # the same line as the converters' and evaluators'
+        raise ConfigError(f"MODEL.WEIGHTS {path}: {pycls}")
     layout = backbone_layout(data)
     if not path.endswith(".safetensors") and layout in (None, "detectron2"):
         return

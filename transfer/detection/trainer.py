@@ -67,10 +67,11 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
                 raise UnsafeFileError(f"{filename}: holds a {type(data).__name__}, not a dict of arrays")
             data = {k: v for k, v in data.items() if not k.endswith("_momentum")}
             return {"model": data, "__author__": "Caffe2", "matching_heuristics": True}
-        if filename.endswith(".pyth"):  # pycls, read as detectron2 does but weights-only
+        if filename.endswith(".pyth"):
+            # detectron2 would torch.load a .pyth itself, as pycls's; pycls checkpoints are refused
+            # before training (config.read_weights), so one here holds detectron2 names: read it as a .pth
             data = load_weights_file(filename)
-            state = {k: v for k, v in data["model_state"].items() if not k.endswith("num_batches_tracked")}
-            return {"model": state, "__author__": "pycls", "matching_heuristics": True}
+            return data if isinstance(data, dict) and "model" in data else {"model": data}
         return super()._load_file(filename)
 
     def _torch_load(self, f):
