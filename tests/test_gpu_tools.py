@@ -25,3 +25,20 @@ def test_equal_and_different_runs(tmp_path):
     assert same.returncode == 0 and "EQUAL" in same.stdout and same.stdout.count("step ") == 3
     other = subprocess.run([sys.executable, str(TOOL), str(a), str(c)], capture_output=True, text=True)
     assert other.returncode == 1 and "DIFFERENT: worst relative difference 2.78e-02" in other.stdout
+
+
+def test_the_benchmark_runs_where_device_says_whatever_the_recipe_sets():
+    """tiny_* recipes set train.cpu: true; `benchmarks.pretraining --device cuda` once timed them on
+    the CPU. Judged by the project's own config loader on the recipe gpu_check.sh times."""
+    from benchmarks.pretraining import RECIPES_DIR, device_override
+    from pretrain.config import load_config
+
+    recipe = RECIPES_DIR / "tiny_mocov2.yaml"
+    assert load_config(recipe, []).train.cpu is True  # the trap: the recipe itself asks for the CPU
+    for device, available, cpu in (
+        ("cuda", True, False),
+        ("auto", True, False),
+        ("auto", False, True),
+        ("cpu", True, True),
+    ):
+        assert load_config(recipe, [device_override(device, available)]).train.cpu is cpu, (device, available)

@@ -46,7 +46,7 @@ for variant in "fp32:train.mixed_precision=no" "bf16:train.mixed_precision=bf16"
   for kv in ${variant#*:}; do sets="$sets --set=$kv"; done
   # shellcheck disable=SC2086
   $PY -m benchmarks.pretraining --device cuda --no-augmentation --recipes "$RECIPES" --data-root "$DATA/imagenet/train" \
-    --set=data.image_size=224 --set=train.batch_size=128 --set=train.cpu=false $sets --out "$WORK/bench_$name.md" || status=1
+    --set=data.image_size=224 --set=train.batch_size=128 $sets --out "$WORK/bench_$name.md" || status=1
 done
 return $status
 }
