@@ -54,7 +54,7 @@ from pathlib import Path
 
 from benchmarks import cell, cpu_name, mean_std
 from contrastive_transfer.json_limits import read_json, read_json_lines
-from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
+from contrastive_transfer.synthetic.digits import DETECTION_OVERRIDES, PRETRAIN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "configs" / "pretrain"
@@ -81,6 +81,7 @@ class DataPreset:
     heading: str
     description: str  # the data and the input size, for the table's intro
     margin: float = MARGIN  # kNN points a row must gain over random init (the real digits: issue 36's +20)
+    detection: tuple[str, ...] = ()  # transfer.detection options every fine-tune on this data takes
 
 
 PRESETS = {
@@ -95,6 +96,7 @@ PRESETS = {
         "random in a 40-px image; `--preset digits`), pretrained at 32 px with the `digits` augmentation "
         "(no flip, crops of ≥ half the image, ±15° affine)",
         20.0,
+        DETECTION_OVERRIDES,
     ),
 }  # fmt: skip
 

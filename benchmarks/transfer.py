@@ -150,8 +150,11 @@ def _json(path: Path) -> dict:
     return read_json(path)
 
 
-def evaluate(weights: Path, data: Path, run: Path, seeds: int, iters: int = DETECTION_ITERS) -> dict[str, list[float]]:
-    """{metric: [value per seed]} (one value for the deterministic kNN and SVM)."""
+def evaluate(
+    weights: Path, data: Path, run: Path, seeds: int, iters: int = DETECTION_ITERS, options: tuple[str, ...] = ()
+) -> dict[str, list[float]]:
+    """{metric: [value per seed]} (one value for the deterministic kNN and SVM); ``options``: the
+    data's detection options (``DataPreset.detection``)."""
     imagenet, w = data / "imagenet", ["--weights", str(weights), "--workers", "0"]
     steps = {
         "knn": _py("transfer.knn", *w, "--train-dir", str(imagenet / "train"), "--val-dir", str(imagenet / "val"),
@@ -174,10 +177,12 @@ def evaluate(weights: Path, data: Path, run: Path, seeds: int, iters: int = DETE
                       "--crop", "auto", "--seed", str(seed), "--output-dir", str(out), "--resume")  # fmt: skip
             run_logged(cmd, run / f"linear_{seed}.log")
         result["probe"].append(_json(out / "metrics.json")["top1"])
-    return {**result, **detection(weights, data, run, seeds, iters)}
+    return {**result, **detection(weights, data, run, seeds, iters, options=options)}
 
 
-def detection(weights: Path, data: Path, run: Path, seeds: int, iters: int, every: int = 0) -> dict:
+def detection(
+    weights: Path, data: Path, run: Path, seeds: int, iters: int, every: int = 0, options: tuple[str, ...] = ()
+) -> dict:
     """FPN fine-tunes on the synthetic VOC07+12 (lr × 0.1 at 80 %), one per seed: {"AP50": [...],
     "AP": [...]}; with ``every``, also AP50 at every ``every`` iterations ({"curve": {iter: [...]}})."""
     pkl = run / "detectron2.pkl"
@@ -189,7 +194,7 @@ def detection(weights: Path, data: Path, run: Path, seeds: int, iters: int, ever
         opts = ["MODEL.WEIGHTS", str(pkl), "OUTPUT_DIR", str(out), "SOLVER.MAX_ITER", str(iters)]
         # The curve's fine-tunes keep the lr constant: AP at iteration i then means the same in every run.
         steps = f"({int(iters * 0.8)},)" if not every else f"({10 * iters},)"
-        opts += ["SOLVER.STEPS", steps] + (["TEST.EVAL_PERIOD", str(every)] if every else [])
+        opts += ["SOLVER.STEPS", steps, *options] + (["TEST.EVAL_PERIOD", str(every)] if every else [])
         config = CURVE_CONFIG if every else DETECTION_CONFIG
         cmd = _py("transfer.detection", "--config-file", str(config), "--num-gpus", "1", "--seeds",
                   str(seeds), "--resume", "--data-root", str(data), *opts)  # fmt: skip
@@ -229,7 +234,7 @@ def measure(
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
     weights = pretrain(row, data, run, table, learning)
-    values = evaluate(weights, data, run, seeds, iters)
+    values = evaluate(weights, data, run, seeds, iters, table.data.detection)
     return {
         "row": row,
         "values": values,

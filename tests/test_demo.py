@@ -167,6 +167,37 @@ def test_digits_demo_plans_the_digits_data_their_budget_and_folders(tmp_path, mo
         assert command[command.index("--resize") + 1 : command.index("--crop") + 2] == ["37", "--crop", "32"]
     assert json.loads((out / "demo.json").read_text())["data"] == str(data)
     assert (out / "report.md").read_text().startswith("# Demo report: tiny_simclr on the real handwritten digits")
+    # detection never mirrors a digit: every fine-tune's config, built by transfer.detection and
+    # judged by detectron2's own training augmentation list, has no flip
+    fine_tunes = [c for s in planned if s.name.endswith("-detection") for c in (s.command, *s.side_by_side)]
+    assert len(fine_tunes) == 2 * 3, [s.name for s in planned]  # 2 backbones x (aggregate + 2 seeds)
+    assert all(_detection_augmentations(c) == ["ResizeShortestEdge"] for c in fine_tunes)
+
+
+def _detection_augmentations(command: list[str]) -> list[str]:
+    """The training augmentations detectron2 builds for a transfer.detection command line."""
+    pytest.importorskip("detectron2")
+    from detectron2.data.detection_utils import build_augmentation
+
+    from transfer.detection.config import build_config
+
+    pairs = command[command.index("MODEL.WEIGHTS") :]
+    opts = [x for k, v in zip(pairs[::2], pairs[1::2]) if k not in ("MODEL.WEIGHTS", "OUTPUT_DIR") for x in (k, v)]
+    cfg, _ = build_config(command[command.index("--config-file") + 1], opts)
+    return [type(a).__name__ for a in build_augmentation(cfg, True)]
+
+
+def test_control_the_synthetic_demo_fine_tunes_with_detectron2s_flip(tmp_path, monkeypatch):
+    """The synthetic shapes keep detectron2's default horizontal flip (the VOC protocol's)."""
+    demo = _demo_module()
+    planned = []
+    monkeypatch.setattr(
+        demo, "run_stages", lambda stages, logs, env, fresh=False: planned.extend(stages) or demo.Outcome()
+    )
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--preset", "small"]) == 0
+    (stage,) = [s for s in planned if s.name == "pretrained-detection"]
+    assert _detection_augmentations(stage.command) == ["ResizeShortestEdge", "RandomFlip"]
 
 
 def test_make_demo_data_digits_runs_the_digits_preset():

@@ -33,7 +33,7 @@ from typing import Callable
 
 from benchmarks.learning import DIGITS_EPOCHS  # the learning table's digits budget, the demo's too
 from contrastive_transfer.json_limits import read_json, read_json_lines
-from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
+from contrastive_transfer.synthetic.digits import DETECTION_OVERRIDES, PRETRAIN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,8 @@ DETECTION_NOTE = (
 DIGITS_NOTE = (
     "Detection: the FPN and heads fine-tuned for {iters} iterations on the backbone's frozen features "
     "(`configs/detection/tiny_voc0712_R_18_FPN_frozen.yaml`) on canvases of train-split digits, tested on "
-    "canvases of val-split digits. The detector has the data's 10 classes, the digits 0-9 (read from the "
+    "canvases of val-split digits, without detectron2's horizontal flip (a mirrored digit is no digit). "
+    "The detector has the data's 10 classes, the digits 0-9 (read from the "
     "VOC folder's class files), and the VOC evaluator averages AP over those 10 digits."
 )
 # The backbone frozen, the FPN and heads trained: what the features give detection within the demo's
@@ -77,6 +78,7 @@ class Budget:
     detection_seeds: int
     svm: tuple[str, ...] = ()
     pretrain: tuple[str, ...] = ()
+    detection: tuple[str, ...] = ()  # transfer.detection KEY VALUE options of the data
     classify_size: tuple[int, int] = (73, 64)
     data_name: str = "the synthetic `{preset}` data"
 
@@ -96,6 +98,7 @@ BUDGETS = {
         detection_iters=600,
         detection_seeds=2,
         pretrain=PRETRAIN_OVERRIDES,
+        detection=DETECTION_OVERRIDES,
         classify_size=(37, 32),
         data_name="the real handwritten digits (scikit-learn's UCI copy)",
     ),
@@ -220,7 +223,7 @@ def _py_detection(pkl: Path, data: Path, budget: Budget) -> Callable[..., list[s
         return [
             sys.executable, "-m", "transfer.detection", "--config-file", str(DETECTION_CONFIG), "--num-gpus", "1",
             "--data-root", str(data), *flags, "MODEL.WEIGHTS", str(pkl), "OUTPUT_DIR", str(out),
-            "SOLVER.MAX_ITER", str(iters), "SOLVER.STEPS", f"({int(iters * 0.8)},)", *options,
+            "SOLVER.MAX_ITER", str(iters), "SOLVER.STEPS", f"({int(iters * 0.8)},)", *budget.detection, *options,
         ]  # fmt: skip
 
     return command

@@ -64,6 +64,10 @@ DIGITS = DigitsPreset(0.3, (16, 28), 20.0, 40, 400, 400, 300, (128, 176), (96, 1
 # What a recipe needs to pretrain on these images: the digits augmentation (no flip, small affine)
 # at 32 px, the digit's side (benchmarks/learning.py --data digits, tools/demo.py --preset digits).
 PRETRAIN_OVERRIDES = ("data.augmentation=digits", "data.image_size=32")
+# What detection fine-tuning needs on them (transfer.detection KEY VALUE options): no horizontal
+# flip, detectron2's default in training; a mirrored digit is another glyph or none, which is why
+# the pretraining augmentation does not flip them either.
+DETECTION_OVERRIDES = ("INPUT.RANDOM_FLIP", "none")
 
 
 def load() -> tuple[np.ndarray, np.ndarray]:
