@@ -44,7 +44,6 @@ from contrastive_transfer.untrusted import (
     check_loaded_tensors,
     open_untrusted,
     read_untrusted,
-    walk_tensors,
 )
 
 __all__ = [
@@ -194,10 +193,14 @@ def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = (), kind:
     a checkpoint, truncated) propagate for the caller to phrase."""
     extra = list(extra_globals)
     with open_untrusted(path, kind) as f:
-        is_zip = check_archive(f, path, kind)
+        check_archive(f, path, kind)
+        # torch reads a file as a zip by its first bytes (a local record's magic), zipfile by a
+        # directory near the end: a legacy file with a zip trailer is a zip to one, not the other
+        torch_zip = f.read(4) == b"PK\x03\x04"
+        f.seek(0)
         try:
             with torch.serialization.safe_globals(extra):
-                if not is_zip:
+                if not torch_zip:
                     _check_legacy_storages(f, path)
                 obj = torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
@@ -216,10 +219,9 @@ def _check_legacy_storages(f: IO[bytes], path: str | os.PathLike) -> None:
     torch's legacy reader (``torch.serialization._legacy_load``), weights_only included, allocates
     every storage at the size its pickle declares and only then reads the bytes: a 400-byte file
     declaring 2^30 floats asks for 4 GiB. The zip format's records are checked by ``check_archive``;
-    here a dry run under ``FakeTensorMode`` (which that reader honours: storages on the meta device,
-    no data read) gives the declared sizes, and their sum must fit in the file that should hold
-    them. The tar format of torch < 0.4 reads sizes from the file and allocates them even under fake
-    tensors: it is refused."""
+    here a dry run of the pickle (``_legacy_declared_storages``) gives the declared sizes, and their
+    sum must fit in the file that should hold them. The tar format of torch < 0.4 reads sizes from
+    the file and allocates them before any pickle: it is refused."""
     size = os.fstat(f.fileno()).st_size
     f.seek(0)
     try:
@@ -232,21 +234,52 @@ def _check_legacy_storages(f: IO[bytes], path: str | os.PathLike) -> None:
             f"{path}: a torch file in the tar format of torch < 0.4, not read (its reader reserves whatever sizes "
             "the file states); if you trust it, load it with that torch and torch.save it again (zip format)"
         )
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     f.seek(0)
     try:
-        with FakeTensorMode():
-            fake = torch.load(f, map_location="cpu", weights_only=True)
+        declared = _legacy_declared_storages(f)
     finally:
         f.seek(0)
-    declared = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in walk_tensors(fake)}
     if sum(declared.values()) > size:
         raise UnsafeFileError(
             f"{path}: declares {sum(declared.values())} bytes of tensor storage in a file of {size} bytes "
             "(torch's legacy reader reserves what is declared before reading a byte): a truncated or crafted file; "
             "use a complete copy"
         )
+
+
+def _legacy_declared_storages(f: IO[bytes]) -> dict[Any, int]:
+    """The bytes of every storage a legacy-format torch file's pickle declares, by key: a dry run
+    of torch's legacy reader (three header pickles, then the object's) with torch's weights-only
+    unpickler, where each storage is counted when the pickle creates it and handed over on the
+    meta device (no memory, no data read). Counted at creation, not in the loaded object: a
+    storage the pickle makes and then drops is still reserved by the real reader."""
+    from torch import _weights_only_unpickler as weights_only
+
+    for _ in range(3):  # magic number, protocol version, system info: plain data
+        weights_only.load(f, encoding="utf-8")
+    declared: dict[Any, int] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        if not isinstance(saved_id, tuple) or len(saved_id) != 6:
+            raise pickle.UnpicklingError(f"Weights only load failed: unsupported persistent id {saved_id!r:.80}")
+        storage_type, key, _location, numel, _view = saved_id[1:]
+        dtype = getattr(storage_type, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
+            raise pickle.UnpicklingError(f"Weights only load failed: unsupported storage {saved_id!r:.80}")
+        nbytes = numel * torch._utils._element_size(dtype)
+        declared[key] = max(declared.get(key, 0), nbytes)
+        meta = torch.UntypedStorage(nbytes, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=meta, dtype=dtype, _internal=True)
+
+    unpickler = weights_only.Unpickler(f, encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    try:
+        unpickler.load()
+    except pickle.UnpicklingError as e:  # phrased as torch.load phrases a refused global
+        if "Weights only" in str(e):
+            raise
+        raise pickle.UnpicklingError(f"Weights only load failed: {e}") from None
+    return declared
 
 
 # ---------------------------------------------------------------------------------- pickle files

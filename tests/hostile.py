@@ -121,6 +121,25 @@ def legacy_declaring(numel: int) -> bytes:
     return data[:at] + b"J" + struct.pack("<i", numel) + data[at + 2 :]
 
 
+def legacy_unreferenced(numel: int) -> bytes:
+    """A legacy-format file whose object pickle declares a storage of ``numel`` floats and drops it
+    (``{"w": storage, "w": 1}``): the object loaded holds no tensor, but torch's legacy reader has
+    reserved the storage on the way. Written opcode by opcode: no pickler makes a dropped object."""
+    buffer = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buffer, _use_new_zipfile_serialization=False)
+    data = io.BytesIO(buffer.getvalue())
+    for _ in range(3):  # magic number, protocol version, system info
+        pickle.load(data)
+    head = buffer.getvalue()[: data.tell()]
+    storage = (  # MARK 'storage' GLOBAL torch.FloatStorage '0' 'cpu' numel None TUPLE BINPERSID
+        b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuJ"
+        + struct.pack("<i", numel)
+        + b"NtQ"
+    )
+    obj = b"\x80\x02}(X\x01\x00\x00\x00w" + storage + b"X\x01\x00\x00\x00wK\x01u."  # EMPTY_DICT MARK k v k v SETITEMS
+    return head + obj + b"\x80\x02]."  # the storage keys: none
+
+
 def _zip(entries: list[tuple[str, bytes, int, int, int]]) -> bytes:
     """A zip32 archive of (name, stored bytes, method, uncompressed size, crc) records."""
     out, central = io.BytesIO(), io.BytesIO()
@@ -193,6 +212,9 @@ def _torch_mutants(valid: Callable[[], dict], weights: bool) -> list[tuple[str, 
         # small enough for any cap: refused as a repeat, not for its size
         ("stride0_4MiB", _bytes(with_tensor(torch.zeros(1).expand(1 << 20)))),
         ("legacy_declares_4GiB", _bytes(lambda: legacy_declaring(1 << 30))),
+        # torch reads by the first bytes, zipfile by a directory at the end: still legacy to torch
+        ("legacy_with_zip_trailer", _bytes(lambda: legacy_declaring(1 << 30) + b"PK\x05\x06" + bytes(18))),
+        ("legacy_drops_a_4GiB_storage", _bytes(lambda: legacy_unreferenced(1 << 30))),
         ("top_level_list", _bytes(lambda: torch_bytes([1, 2, 3]))),
         ("payload", lambda path: path.write_bytes(pickle.dumps({"x": Payload(path.parent / "MARKER")}))),
     ]

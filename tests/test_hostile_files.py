@@ -40,6 +40,7 @@ from .hostile import (
     bomb_jpeg,
     bomb_png,
     legacy_declaring,
+    legacy_unreferenced,
     mutants,
     resnet18_state,
     torch_bytes,
@@ -459,8 +460,10 @@ def test_control_dev_zero_and_a_zip_bomb_and_a_stride0_view_take_memory_without_
     from contrastive_transfer.untrusted import UnsafeFileError, check_archive, check_loaded_tensors, read_untrusted
 
     bomb, view, legacy = tmp_path / "bomb.pth", tmp_path / "view.pth", tmp_path / "legacy.pth"
+    dropped = tmp_path / "dropped.pth"
     bomb.write_bytes(zip_bomb(torch_bytes({"w": torch.zeros(1)})))
     legacy.write_bytes(legacy_declaring(1 << 30))
+    dropped.write_bytes(legacy_unreferenced(1 << 30))
     view.write_bytes(torch_bytes({"w": torch.zeros(1).expand(1 << 31)}))
     script = f"""
 import json, torch
@@ -470,6 +473,7 @@ for name, attack in [
     ("zip_bomb", lambda: torch.load({str(bomb)!r}, weights_only=True)),
     ("stride0", lambda: torch.isfinite(torch.load({str(view)!r}, weights_only=True)["w"]).all()),
     ("legacy", lambda: torch.load({str(legacy)!r}, weights_only=True)),
+    ("dropped", lambda: torch.load({str(dropped)!r}, weights_only=True)),
 ]:
     try:
         attack()
@@ -486,12 +490,14 @@ print(json.dumps(out))
     assert "alloc" in outcome["zip_bomb"].lower() or outcome["zip_bomb"].startswith("MemoryError"), outcome
     assert "alloc" in outcome["stride0"].lower(), outcome
     assert "alloc" in outcome["legacy"].lower() and legacy.stat().st_size < 1000, outcome
+    assert "alloc" in outcome["dropped"].lower() and dropped.stat().st_size < 1000, outcome
     # the gate: each refused from sizes alone
     for path, check in [
         (Path("/dev/zero"), lambda p: read_untrusted(p, "weights")),
         (bomb, lambda p: check_archive(open(p, "rb"), p, "weights")),
         (view, lambda p: check_loaded_tensors(torch.load(p, weights_only=True), p, "weights")),
         (legacy, torch_load),
+        (dropped, torch_load),
     ]:
         with pytest.raises(UnsafeFileError) as e:
             check(path)
