@@ -255,8 +255,6 @@ def _legacy_declared_storages(f: IO[bytes]) -> dict[Any, int]:
     storage the pickle makes and then drops is still reserved by the real reader."""
     from torch import _weights_only_unpickler as weights_only
 
-    for _ in range(3):  # magic number, protocol version, system info: plain data
-        weights_only.load(f, encoding="utf-8")
     declared: dict[Any, int] = {}
 
     def persistent_load(saved_id: Any) -> Any:
@@ -274,6 +272,8 @@ def _legacy_declared_storages(f: IO[bytes]) -> dict[Any, int]:
     unpickler = weights_only.Unpickler(f, encoding="utf-8")
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
     try:
+        for _ in range(3):  # magic number, protocol version, system info: plain data
+            weights_only.load(f, encoding="utf-8")
         unpickler.load()
     except pickle.UnpicklingError as e:  # phrased as torch.load phrases a refused global
         if "Weights only" in str(e):
