@@ -309,7 +309,7 @@ def _detect_arch(sd: dict[str, torch.Tensor], source: str) -> str:
 
 def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) -> dict[str, torch.Tensor]:
     expected = _expected_shapes(arch, stem)
-    out = {}
+    out, storages = {}, set()
     for k, shape in expected.items():
         if k not in sd and k.endswith("num_batches_tracked"):
             out[k] = torch.tensor(0)  # older/VISSL-converted files omit it; it has no effect in eval
@@ -321,9 +321,15 @@ def _validate(sd: dict[str, torch.Tensor], arch: str, stem: str, source: str) ->
             _check_tensor(sd[k], k, source)
             v = sd[k].detach().cpu()
             v = v.float() if v.is_floating_point() else v
-            # a view into a larger storage (weights tied or sliced from one buffer) gets its own:
-            # safetensors refuses tensors that share memory, and the backbone keeps no more than it holds
-            out[k] = v.clone() if v.untyped_storage().nbytes() != v.nbytes else v
+            # each tensor its own contiguous storage: safetensors refuses tensors that share memory
+            # (tied weights: one tensor under two names, or views of one buffer) and non-contiguous
+            # ones (channels_last), and the backbone keeps no more than it holds
+            storage = v.untyped_storage()
+            shared = storage.data_ptr() in storages and storage.nbytes() > 0
+            if shared or storage.nbytes() != v.nbytes or not v.is_contiguous():
+                v = v.contiguous().clone()
+            storages.add(v.untyped_storage().data_ptr())
+            out[k] = v
     missing = [k for k in expected if k not in out]
     if missing:
         raise CheckpointError(

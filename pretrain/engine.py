@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from contrastive_transfer.cli import OutputLock, UserError, atomic_write, remove_stale_temporaries
+from contrastive_transfer.cli import OutputLock, UserError, atomic_write, json_line, remove_stale_temporaries
 from contrastive_transfer.contract import FINAL_NAME, LAST_NAME
 from contrastive_transfer.paths import printable
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptSignals, ignore_in_worker
@@ -465,7 +465,7 @@ def metrics_row(run: Run, step: int, lr: float, output: dict, diagnose: bool) ->
 def log_row(run: Run, row: dict) -> None:
     run.accelerator.log(row, step=row["step"])
     if run.metrics:
-        run.metrics.write(json.dumps(row) + "\n")
+        run.metrics.write(json_line(row))
         run.metrics.flush()
 
 

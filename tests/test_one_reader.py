@@ -145,6 +145,15 @@ def test_tied_weights_in_one_storage_convert_to_safetensors(tmp_path):
     to_torchvision.convert(tmp_path / "tied.pth", tmp_path / "out.safetensors")
     out = load_file(tmp_path / "out.safetensors")
     assert all(torch.equal(out[k], v.float() if v.is_floating_point() else v) for k, v in sd.items())
+    # one tensor, its whole storage, under two names; a channels_last (non-contiguous) conv weight
+    sd = {k: v.clone() for k, v in sd.items()}
+    sd["layer1.0.bn2.weight"] = sd["layer1.0.bn1.weight"]
+    sd["layer1.0.conv1.weight"] = sd["layer1.0.conv1.weight"].to(memory_format=torch.channels_last)
+    assert not sd["layer1.0.conv1.weight"].is_contiguous()
+    torch.save(sd, tmp_path / "shared.pth")
+    to_torchvision.convert(tmp_path / "shared.pth", tmp_path / "shared.safetensors")
+    out = load_file(tmp_path / "shared.safetensors")
+    assert all(torch.equal(out[k], v.float() if v.is_floating_point() else v) for k, v in sd.items())
 
 
 def _pycls_name(name: str) -> str:

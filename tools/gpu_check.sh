@@ -15,10 +15,10 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DATA=${DATA:-datasets/synthetic}
 WORK=${WORK:-outputs/gpu_check}
-GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())") || exit 1
 if [ "$GPUS" -lt 1 ]; then echo "error: no CUDA device visible to $PY (install a CUDA build of torch)"; exit 1; fi
-[ -f "$DATA/manifest.json" ] || $PY -m contrastive_transfer.synthetic --out "$DATA" --preset small
-rm -rf "$WORK" && mkdir -p "$WORK"
+[ -f "$DATA/manifest.json" ] || $PY -m contrastive_transfer.synthetic --out "$DATA" --preset small || exit 1
+rm -rf "$WORK" && mkdir -p "$WORK" || exit 1
 run() {  # run NAME NPROC RECIPE [overrides...]
   local name=$1 nproc=$2 recipe=$3; shift 3
   $PY -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m pretrain \
@@ -29,7 +29,8 @@ run() {  # run NAME NPROC RECIPE [overrides...]
 section_equivalence() {
 if [ "$GPUS" -ge 2 ]; then
   run simclr_1gpu 1 tiny_simclr && run simclr_2gpu 2 tiny_simclr || return 1
-  $PY tools/gpu_equivalence.py "$WORK/simclr_2gpu" "$WORK/simclr_1gpu" --rtol 1e-3 | tee "$WORK/equivalence.txt"
+  $PY tools/gpu_equivalence.py "$WORK/simclr_2gpu" "$WORK/simclr_1gpu" --rtol 1e-3 | tee "$WORK/equivalence.txt" \
+    || return 1
   run mocov2_2gpu 2 tiny_mocov2 || return 1
   echo "mocov2 on 2 GPUs: $(grep -c '"loss"' "$WORK/mocov2_2gpu/metrics.jsonl") finite steps logged" | tee -a "$WORK/equivalence.txt"
 else

@@ -194,3 +194,25 @@ def test_every_evaluator_writes_its_metrics_through_write_json():
     assert not offenders, offenders
     for module in ("knn", "linear", "voc07_svm", "detection/run"):
         assert "write_json(" in (REPO / "transfer" / f"{module}.py").read_text(), module
+
+
+def test_a_log_row_with_an_infinite_gradient_norm_is_kept_as_null_and_read_back(tmp_path):
+    """The engine's rows go through json_line: an fp16 overflow's inf (or a NaN) becomes null, and
+    the project's own strict reader (json_limits, standard JSON only) reads the log back."""
+    import json
+
+    import pytest
+
+    from contrastive_transfer.cli import json_line
+    from contrastive_transfer.json_limits import JsonLimitError, read_json_lines
+
+    row = {"step": 2, "loss": 3.5, "grad_q_norm_mean": float("inf"), "nested": {"x": [1.0, float("nan")]}}
+    control, log = tmp_path / "control.jsonl", tmp_path / "metrics.jsonl"
+    control.write_text(json.dumps(row) + "\n")  # Python's default writes Infinity, which JSON lacks
+    with pytest.raises(JsonLimitError, match="Infinity"):
+        read_json_lines(control)
+    log.write_text(json_line({"step": 1, "loss": 4.0}) + json_line(row))
+    assert read_json_lines(log) == [
+        {"step": 1, "loss": 4.0},
+        {"step": 2, "loss": 3.5, "grad_q_norm_mean": None, "nested": {"x": [1.0, None]}},
+    ]
