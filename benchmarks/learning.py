@@ -106,13 +106,13 @@ def ensure_small_synthetic(data: Path) -> None:
 
 
 def ensure_data(data: Path, preset: str = "small") -> None:
-    """Generate the data preset at ``data`` unless it is there."""
-    if not (data / "manifest.json").is_file():
-        subprocess.run(
-            [sys.executable, "-m", "contrastive_transfer.synthetic", "--out", str(data), "--preset", preset],
-            cwd=ROOT,
-            check=True,
-        )
+    """The data preset at ``data``: the generator does nothing where the manifest holds today's
+    config, and rewrites a folder written with another (the digits' earlier VOC class names)."""
+    subprocess.run(
+        [sys.executable, "-m", "contrastive_transfer.synthetic", "--out", str(data), "--preset", preset],
+        cwd=ROOT,
+        check=True,
+    )
 
 
 def tiny_recipes() -> list[str]:
@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
     work = run_folder(Path(args.work).resolve(), preset.name, args.epochs)
     if not args.plan:
         ensure_data(data, preset.name)
-    if preset.name == "small":
+    if preset.name == "small" and not args.plan:  # --plan writes the table, never the runs file
         carry_legacy_rows(work, args.runs, preset.name)
     every = tiny_recipes()
     chosen = args.recipes.split(",") if args.recipes else every

@@ -104,10 +104,11 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     # the engine's precision in the reference too, so that engine/bare compares loops, not dtypes
-    bf16 = cfg.train.mixed_precision == "bf16"
+    # (fp16 without the engine's loss scaling: a timing, whose gradients nobody reads)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
 
     def bare_step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
             loss = method(views)["loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -129,14 +129,18 @@ def pretrain(row: str, data: Path, run: Path, table: Table = SMALL, learning: Pa
 def learning_checkpoint(row: str, table: Table, learning: Path) -> Path | None:
     """The learning table's seed-0 ``checkpoint_final.pth`` of ``row`` under its --work folder, when
     the config saved in it hashes to the row's (a run of an edited recipe is not this row's)."""
-    from contrastive_transfer.safe_load import torch_load
+    from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
     from pretrain.config import experiment
 
     path = run_folder(learning, table.data.name, table.budget) / "runs" / row / "seed0" / "pretrain"
     path = path / "checkpoint_final.pth"
     if not path.is_file():
         return None
-    saved = torch_load(path).get("config")
+    try:  # a training state, read as every reader of one reads it
+        state = torch_load(path, NUMPY_RNG_GLOBALS, kind="training state")
+    except UnsafeFileError:
+        return None  # not this row's checkpoint: the row pretrains its own
+    saved = state.get("config") if isinstance(state, dict) else None
     if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict):
         return None
     # pretrain saves train.mixed_precision as it ran: a recipe's null (the launcher's choice) is saved as
@@ -422,8 +426,12 @@ def measure_curve(data: Path, work: Path, rows: dict[str, dict], table: Table = 
     for row in CURVE["rows"]:
         if row in rows and "curve" not in rows[row]:
             run = work / "runs" / row
-            weights = pretrain(row, data, run, table)
-            result = detection(weights, data, run, CURVE["seeds"], CURVE["iters"], CURVE["every"])
+            # the table's own weights (perhaps the learning table's checkpoint): not pretrained again
+            saved = Path(rows[row].get("pretrained") or run / "none")
+            weights = saved if saved.is_file() else pretrain(row, data, run, table)
+            result = detection(
+                weights, data, run, CURVE["seeds"], CURVE["iters"], CURVE["every"], options=table.data.detection
+            )
             rows[row]["curve"] = result["curve"]
             (work / "rows" / f"{row}.json").write_text(json.dumps(rows[row], indent=1))
 

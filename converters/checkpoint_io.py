@@ -196,7 +196,9 @@ def _numpy_to_torch(ckpt, source: str, depth: int = 0, where: str = ""):
     any layout's container are left as they are (no layout reads there)."""
     if isinstance(ckpt, np.ndarray):
         if ckpt.dtype.kind not in "fiubc":
-            raise CheckpointError(f"{source}: {where} has dtype {ckpt.dtype}, expected real floating point weights")
+            raise CheckpointError(
+                f"{source}: {where or '(top level)'} has dtype {ckpt.dtype}, expected real floating point weights"
+            )
         return torch.from_numpy(np.array(ckpt))  # a writable copy: pickled arrays are read-only
     if isinstance(ckpt, Mapping) and depth < _MAX_CONTAINER_DEPTH:
         return {k: _numpy_to_torch(v, source, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in ckpt.items()}

@@ -246,5 +246,7 @@ def write_digits(out: Path, seed: int) -> dict:
 
 
 def config(seed: int) -> dict:
-    # voc_classes: a folder written when the digits carried VOC names (aeroplane..cow) is rewritten
+    # voc_classes: a folder written when the digits carried VOC names (aeroplane..cow) differs from
+    # this config, so the generator rewrites it (the benchmarks run the generator every time; the
+    # demo only where no manifest exists, or with FRESH=1)
     return {"seed": seed, "preset": "digits", **asdict(DIGITS), "voc_classes": list(DIGIT_CLASSES)}

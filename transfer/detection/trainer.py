@@ -131,7 +131,9 @@ class PreemptHook(HookBase):
 class ImageCheckingMapper(DatasetMapper):
     """detectron2's DatasetMapper, after the project's image check (``images.check_image``): the
     file through the gate (a FIFO swapped in after the datasets were checked is refused, not
-    waited on) and its pixel count from the header before detectron2 decodes it. Pillow alone
+    waited on) and its pixel count from the header before detectron2 decodes it. detectron2 then
+    opens the path again: a file swapped between the check and that open (a window of
+    microseconds, for someone who can already write the dataset) is not covered. Pillow alone
     decodes a header claiming up to 2^29 pixels (a 1.6 GB RGB array) with a warning, and above
     that raises an error that is no OSError (a traceback in a data worker)."""
 
