@@ -141,13 +141,7 @@ def test_digits_demo_plans_the_digits_data_their_budget_and_folders(tmp_path, mo
     at 32 px, the demo in outputs/demo_digits (beside the synthetic one)."""
     from benchmarks.learning import DIGITS_EPOCHS
 
-    demo = _demo_module()
-    planned = []
-    monkeypatch.setattr(
-        demo, "run_stages", lambda stages, logs, env, fresh=False: planned.extend(stages) or demo.Outcome()
-    )
-    monkeypatch.chdir(tmp_path)
-    assert demo.main(["--preset", "digits"]) == 0
+    planned = _planned_stages(["--preset", "digits"], tmp_path, monkeypatch)
     stages = {s.name: s for s in planned}
     data, out = tmp_path / "datasets" / "digits", tmp_path / "outputs" / "demo_digits"
     assert stages["data"].command[2:] == [
@@ -174,6 +168,18 @@ def test_digits_demo_plans_the_digits_data_their_budget_and_folders(tmp_path, mo
     assert all(_detection_augmentations(c) == ["ResizeShortestEdge"] for c in fine_tunes)
 
 
+def _planned_stages(argv: list[str], tmp_path, monkeypatch) -> list:
+    """The stages ``tools/demo.py argv`` plans in ``tmp_path``, none of them run."""
+    demo = _demo_module()
+    planned: list = []
+    monkeypatch.setattr(
+        demo, "run_stages", lambda stages, logs, env, fresh=False: planned.extend(stages) or demo.Outcome()
+    )
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(argv) == 0
+    return planned
+
+
 def _detection_augmentations(command: list[str]) -> list[str]:
     """The training augmentations detectron2 builds for a transfer.detection command line."""
     pytest.importorskip("detectron2")
@@ -189,13 +195,7 @@ def _detection_augmentations(command: list[str]) -> list[str]:
 
 def test_control_the_synthetic_demo_fine_tunes_with_detectron2s_flip(tmp_path, monkeypatch):
     """The synthetic shapes keep detectron2's default horizontal flip (the VOC protocol's)."""
-    demo = _demo_module()
-    planned = []
-    monkeypatch.setattr(
-        demo, "run_stages", lambda stages, logs, env, fresh=False: planned.extend(stages) or demo.Outcome()
-    )
-    monkeypatch.chdir(tmp_path)
-    assert demo.main(["--preset", "small"]) == 0
+    planned = _planned_stages(["--preset", "small"], tmp_path, monkeypatch)
     (stage,) = [s for s in planned if s.name == "pretrained-detection"]
     assert _detection_augmentations(stage.command) == ["ResizeShortestEdge", "RandomFlip"]
 
