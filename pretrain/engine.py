@@ -509,6 +509,7 @@ def knn_monitor(run: Run, step: int, bar) -> None:
         cfg.knn.temperature,
         workers=cfg.data.num_workers,
         autocast=run.accelerator.autocast,
+        worker_init_fn=partial(ignore_in_worker, run.preempt.names),  # as the training loader's, for the same reason
     )
     seconds = run.laps.lap("knn")  # in the next row's knn_time
     if run.accelerator.is_main_process:

@@ -38,6 +38,7 @@ def extract_features(
     batch_size: int = 256,
     workers: int = 0,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    worker_init_fn: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """(N, D) L2-normalized features, (N,) labels and class names of an ImageFolder, on ``device``.
 
@@ -50,7 +51,13 @@ def extract_features(
     was_training = backbone.training
     backbone.eval()
     feats, labels = [], []
-    loader = DataLoader(shard, batch_size=batch_size, num_workers=workers, pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        shard,
+        batch_size=batch_size,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        worker_init_fn=worker_init_fn,
+    )
     for x, y in loader:
         with autocast():
             f = backbone(x.to(device, non_blocking=True))
@@ -83,15 +90,13 @@ def knn_accuracy(
     t: float = KNN_TEMPERATURE,
     workers: int = 0,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    worker_init_fn: Callable[[int], None] | None = None,
 ) -> float:
     """Top-1 accuracy (%) of weighted kNN on val_dir with train_dir as the bank; called by every
     process (extraction sharded, the vote on ``device``), all get the same answer."""
-    bank, bank_labels, classes = extract_features(
-        backbone, train_dir, image_size, device, workers=workers, autocast=autocast
-    )
-    query, labels, val_classes = extract_features(
-        backbone, val_dir, image_size, device, workers=workers, autocast=autocast
-    )
+    options = {"workers": workers, "autocast": autocast, "worker_init_fn": worker_init_fn}
+    bank, bank_labels, classes = extract_features(backbone, train_dir, image_size, device, **options)
+    query, labels, val_classes = extract_features(backbone, val_dir, image_size, device, **options)
     if classes != val_classes:
         raise ValueError(f"kNN: class folders differ between {train_dir} and {val_dir}")
     pred = knn_vote(query, bank, bank_labels, len(classes), k, t).argmax(dim=1)

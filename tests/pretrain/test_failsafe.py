@@ -7,7 +7,8 @@ live output directory is refused; a resume with another seed is refused; an unwr
 before any work; temporaries of a killed write are removed and metrics.jsonl keeps every step once;
 the launcher checks (one process instead of N, the mixed precision the launcher asked for); a
 preemption signal in the middle of an epoch saves the step reached, exits 75, and the resumed run
-ends on the uninterrupted run's state bit for bit (DataLoader workers signalled too)."""
+ends on the uninterrupted run's state bit for bit (DataLoader workers signalled too, also the kNN
+monitor's)."""
 
 from __future__ import annotations
 
@@ -213,6 +214,64 @@ def test_workers_that_die_of_the_signal_stop_the_run_before_it_saves(synthetic_r
     with pytest.raises(RuntimeError, match="DataLoader worker .* killed by signal"):
         run(tmp_path, synthetic_root, "data.num_workers=2", "train.checkpoint_every=100", "train.max_steps=4")
     assert not (tmp_path / LAST_NAME).exists()
+
+
+def signal_in_knn_monitor(monkeypatch, defended: bool) -> list[set[int]]:
+    """Send SIGTERM to this process and its DataLoader workers once, after the kNN monitor's first
+    batch (from `kill`, as a cluster's signal comes); returns [the monitor's workers]. Undefended,
+    the monitor's loader drops the engine's worker_init_fn."""
+    from pretrain import knn
+
+    sent = []
+
+    class Loader(knn.DataLoader):
+        def __iter__(self):
+            if not defended:
+                self.worker_init_fn = None
+            before = {c.pid for c in multiprocessing.active_children()}  # the training loader's
+            batches = super().__iter__()
+            first = next(batches)
+            if not sent:
+                workers = {c.pid for c in multiprocessing.active_children()}
+                sent.append(workers - before)
+                subprocess.run(["kill", "-s", "TERM", *map(str, workers), str(os.getpid())], check=True)
+            yield first
+            yield from batches
+
+    monkeypatch.setattr(knn, "DataLoader", Loader)
+    return sent
+
+
+def knn_every_epoch(synthetic_root: Path, tmp_path: Path) -> tuple[str, ...]:
+    """A 24-image kNN bank and query set (links), so the monitor runs at the end of every epoch."""
+    subset = tmp_path / "subset"
+    for folder in sorted((synthetic_root / "imagenet" / "train").iterdir())[:3]:
+        (subset / folder.name).mkdir(parents=True)
+        for image in sorted(folder.iterdir())[:8]:
+            (subset / folder.name / image.name).symlink_to(image)
+    return (f"data.root={subset}", f"knn.train_dir={subset}", f"knn.val_dir={subset}", "knn.every_epochs=1")
+
+
+@pytest.mark.parametrize("defended", [True, False])
+def test_a_signal_during_the_knn_monitor_saves_the_next_step(synthetic_root, tmp_path, monkeypatch, capsys, defended):
+    """The monitor's workers ignore the preemption signals like the training loader's: the run
+    saves after the next step. The control (the monitor's workers keep SIGTERM's default) ends in
+    torch's worker error with nothing saved after the epoch's checkpoint."""
+    sent = signal_in_knn_monitor(monkeypatch, defended)
+    # 24 images, batch 8: 3 steps an epoch, the monitor after step 3 (and its checkpoint)
+    overrides = (*knn_every_epoch(synthetic_root, tmp_path), "data.num_workers=2", "train.max_steps=6")
+    out = tmp_path / "out"
+    if defended:
+        with pytest.raises(SystemExit) as stop:
+            run(out, synthetic_root, *overrides)
+        assert stop.value.code == 75
+        assert f"saved {out / LAST_NAME} at step 4 of 6" in capsys.readouterr().out
+        assert read_training_state(out / LAST_NAME)["step"] == 4
+    else:
+        with pytest.raises(RuntimeError, match="DataLoader worker .* killed by signal"):
+            run(out, synthetic_root, *overrides)
+        assert read_training_state(out / LAST_NAME)["step"] == 3
+    assert len(sent) == 1 and len(sent[0]) == 2  # the monitor's two workers got it
 
 
 def test_an_unknown_signal_name_stops_before_any_work(synthetic_root, tmp_path):
