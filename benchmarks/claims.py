@@ -466,8 +466,9 @@ def write_document(
         f"Budget: runs measured so far {len(measured)}, {minutes / 60:.1f} h of pretraining; the whole grid is "
         f"{len(dict.fromkeys(a for c in every.values() for a in c.arms))} configurations × {len(required)} "
         "seeds (more where an effect is within its spread). "
-        f"Machine: {'; '.join(machines)}, one thread per process, one run at a time (`min`: minutes of "
-        "pretraining per run, slower when the machine was shared).",
+        f"Machine: {'; '.join(machines)}, one thread per run, often two runs or another job on the "
+        "cores (`min`: minutes of pretraining per run, slower when the machine was shared; the kNN figures do "
+        "not depend on it).",
         "",
         "The paper figures are ImageNet-scale (ResNet-50, 200 epochs, 65,536 negatives) or CIFAR/STL-scale; the "
         "miniature is a ResNet-18 on 1,258 8×8 digits upscaled into 40-px images for 20 epochs, on one CPU "

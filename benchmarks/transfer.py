@@ -312,7 +312,7 @@ def write_table(rows: dict[str, dict], out: Path, args, table: Table = SMALL) ->
         v = rows[row]["values"]
         gains = [gain(v[m], base[m]) if base and row != "random" else "—" for m in METRICS]
         lines.append(f"| {row} | " + " | ".join(cell(v[m]) for m in METRICS) + " | " + " | ".join(gains) + " |")
-    lines += svm_floor(Path(args.data))
+    lines += svm_floor(Path(args.data or table.data.root))  # main's default data root
     missing = [r for r in table.rows if r not in rows]
     if missing:
         lines += ["", f"Not measured yet: {', '.join(missing)}."]

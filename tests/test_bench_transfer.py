@@ -117,9 +117,12 @@ def test_digits_rows_take_the_learning_tables_checkpoint_only_with_their_config(
     assert transfer.learning_checkpoint("tiny_simclr", transfer.SMALL, lw) is None  # another table's budget
 
 
-def test_the_digits_table_keeps_its_rows_beside_the_synthetic_ones(tmp_path, monkeypatch):
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "manifest.json").write_text("{}")
+def test_the_digits_table_keeps_its_rows_beside_the_synthetic_ones(tmp_path, monkeypatch, digits_root):
+    # the preset's default data root (no --data), relative to the working directory
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "datasets").mkdir()
+    (tmp_path / "datasets" / "digits").symlink_to(digits_root)
+    monkeypatch.setattr(transfer, "ensure_data", lambda data, preset: None)
     calls = []
 
     def fake_measure(row, data, work, seeds, fresh, table, learning, iters):
@@ -131,9 +134,8 @@ def test_the_digits_table_keeps_its_rows_beside_the_synthetic_ones(tmp_path, mon
     monkeypatch.setattr(transfer, "_chart", lambda rows, path, *_: path.write_bytes(b"png"))
     monkeypatch.setattr(transfer, "row_hash", lambda row, table=None: f"{row}-{table.data.name}")
     out = tmp_path / "transfer_digits.md"
-    argv = ["--preset", "digits", "--rows", "tiny_simclr,random", "--data", str(tmp_path / "data"),
-            "--work", str(tmp_path / "w"), "--learning-work", str(tmp_path / "lw"), "--out", str(out),
-            "--detection-iters", "20"]  # fmt: skip
+    argv = ["--preset", "digits", "--rows", "tiny_simclr,random", "--work", str(tmp_path / "w"),
+            "--learning-work", str(tmp_path / "lw"), "--out", str(out), "--detection-iters", "20"]  # fmt: skip
     transfer.main(argv)
     work = tmp_path / "w" / "digits_20ep"
     assert [c[0] for c in calls] == ["random", "tiny_simclr"]
@@ -148,6 +150,7 @@ def test_the_digits_table_keeps_its_rows_beside_the_synthetic_ones(tmp_path, mon
                             "init on the real handwritten digits")  # fmt: skip
     assert "`python -m benchmarks.transfer --preset digits`" in table and "| tiny_simclr |" in table
     assert "Not measured yet: tiny_adco" in table
+    assert "Read the SVM column against its floor" in table  # the default data's VOC test split
     assert (tmp_path / "w" / "rows").exists() is False  # the synthetic table's rows untouched
 
 
