@@ -564,6 +564,13 @@ def measure_kept(recipe: str, seed: int, args, data: Path, work: Path) -> None:
     )
 
 
+def default_out(preset: DataPreset, epochs: int) -> Path:
+    """The preset's table at its own budget; another budget's beside it (``learning_digits_40ep.md``),
+    so a longer run never overwrites the committed table."""
+    out = Path(preset.out)
+    return out if epochs == preset.epochs else out.with_name(f"{out.stem}_{epochs}ep{out.suffix}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.learning",
@@ -578,7 +585,8 @@ def main(argv: list[str] | None = None) -> None:
                         "datasets/digits)")  # fmt: skip
     parser.add_argument("--work", default="outputs/bench_learning", help="the runs' folders")
     parser.add_argument("--runs", type=Path, default=RUNS_FILE, help="the measured runs (JSON lines, committed)")
-    parser.add_argument("--out", default=None, help="default benchmarks/learning.md, learning_digits.md")
+    parser.add_argument("--out", default=None, help="default benchmarks/learning.md, learning_digits.md "
+                        "(another --epochs: learning_digits_40ep.md)")  # fmt: skip
     parser.add_argument("--fresh", action="store_true", help="measure the rows again")
     parser.add_argument(
         "--plan", action="store_true", help="rewrite --out from the runs file and list the runs missing; train nothing"
@@ -586,7 +594,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     args.epochs = args.epochs or preset.epochs
-    data, out = Path(args.data or preset.root).resolve(), Path(args.out or preset.out)
+    data, out = Path(args.data or preset.root).resolve(), Path(args.out or default_out(preset, args.epochs))
     # the synthetic runs keep their folder of before (its rows are carried into the runs file)
     work = run_folder(Path(args.work).resolve(), preset.name, args.epochs)
     if not args.plan:

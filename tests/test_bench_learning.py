@@ -282,3 +282,17 @@ def test_plan_writes_the_table_from_the_runs_file_and_trains_nothing(tmp_path, m
     assert "| tiny_simclr | simclr | 0 | 70.0 | 49.7 | +20.3 | - | ✓ |" in out.read_text()
     printed = capsys.readouterr().out
     assert "tiny_simclr: missing seeds [1]" in printed and "tiny_dcl: missing seeds [0, 1]" in printed
+
+
+def test_another_budget_gets_its_own_table_beside_the_presets(tmp_path, monkeypatch):
+    runs = tmp_path / "runs.jsonl"
+    learning.append_run(runs, {**_row("tiny_simclr", 70.0), "preset": "digits"})
+    monkeypatch.setattr(learning, "config_hash", lambda recipe, epochs, seed=0, extra=(): f"h{epochs}")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    argv = ["--preset", "digits", "--plan", "--seeds", "1", "--runs", str(runs), "--work", str(tmp_path / "w")]
+    learning.main([*argv, "--epochs", "40"])
+    assert sorted(p.name for p in (tmp_path / "benchmarks").glob("*.md")) == ["learning_digits_40ep.md"]
+    assert "--preset digits --epochs 40 --seeds 1" in (tmp_path / "benchmarks" / "learning_digits_40ep.md").read_text()
+    learning.main(argv)  # the preset's own budget: its own table
+    assert (tmp_path / "benchmarks" / "learning_digits.md").is_file()
