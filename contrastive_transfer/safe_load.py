@@ -198,6 +198,7 @@ def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = (), kind:
         # directory near the end: a legacy file with a zip trailer is a zip to one, not the other
         torch_zip = f.read(4) == b"PK\x03\x04"
         f.seek(0)
+        _check_sized_calls(f, path, torch_zip)
         try:
             with torch.serialization.safe_globals(extra):
                 if not torch_zip:
@@ -208,8 +209,52 @@ def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = (), kind:
                 raise
             allowed = {f"{g.__module__}.{g.__qualname__}" for g in extra if hasattr(g, "__qualname__")}
             raise UnsafeFileError(refusal(path, unsafe_globals(f, allowed))) from None
-    check_loaded_tensors(obj, path, kind)
+        check_loaded_tensors(obj, path, kind, file_bytes=os.fstat(f.fileno()).st_size)
     return obj
+
+
+def _sized_constructors() -> frozenset[str]:
+    """Globals torch's weights-only loader allows that build a buffer or a tensor from a size the
+    pickle states rather than from stored bytes: ``bytearray(n)`` fills n bytes with zeros, a tensor
+    class ``torch.FloatTensor(n)`` reserves n elements, the quantized, sparse, nested and wrapper
+    rebuilders allocate the shape they are given. torch.save writes none of them for the dense
+    tensors of a checkpoint. (``torch.Tensor`` is allowed too, as the type argument of tensors with
+    attributes; a storage it makes is not backed by the file, which ``check_loaded_tensors``
+    refuses after the load.)"""
+    classes = {f"{t.__module__}.{t.__name__}" for t in torch._tensor_classes}
+    rebuilders = ("_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor", "_rebuild_wrapper_subclass")
+    return frozenset({"builtins.bytearray", *classes, *(f"torch._utils.{r}" for r in rebuilders)})
+
+
+SIZED_CONSTRUCTORS = _sized_constructors()
+
+
+def _check_sized_calls(f: IO[bytes], path: str | os.PathLike, torch_zip: bool) -> None:
+    """Refuse a torch file whose pickle names a global of SIZED_CONSTRUCTORS, before any
+    unpickler runs (static: the weights-only unpickler resolves only GLOBAL opcodes, which
+    ``pickle_globals`` lists, and torch's name mapping of Python 2 names is applied here too)."""
+    from torch._utils import IMPORT_MAPPING, NAME_MAPPING
+
+    try:
+        if torch_zip:
+            with zipfile.ZipFile(f) as archive:  # record sizes checked by check_archive
+                names = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+                pickles = [archive.read(n) for n in names]
+        else:
+            pickles = [f.read()]  # bounded: the gate checked this descriptor's size
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError):
+        pickles = []  # torch.load judges a damaged file
+    finally:
+        f.seek(0)
+    for data in pickles:
+        for name in pickle_globals(data):
+            module, _, attr = name.rpartition(".")
+            module, attr = NAME_MAPPING.get((module, attr), (IMPORT_MAPPING.get(module, module), attr))
+            if f"{module}.{attr}" in SIZED_CONSTRUCTORS:
+                raise UnsafeFileError(
+                    f"{path}: its pickle calls {module}.{attr}, which reserves memory of a size the file states "
+                    "instead of reading stored tensors; not a checkpoint torch.save wrote for dense tensors"
+                )
 
 
 def _check_legacy_storages(f: IO[bytes], path: str | os.PathLike) -> None:
@@ -255,8 +300,6 @@ def _legacy_declared_storages(f: IO[bytes]) -> dict[Any, int]:
     storage the pickle makes and then drops is still reserved by the real reader."""
     from torch import _weights_only_unpickler as weights_only
 
-    declared: dict[Any, int] = {}
-
     def persistent_load(saved_id: Any) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != 6:
             raise pickle.UnpicklingError(f"Weights only load failed: unsupported persistent id {saved_id!r:.80}")
@@ -266,20 +309,28 @@ def _legacy_declared_storages(f: IO[bytes]) -> dict[Any, int]:
             raise pickle.UnpicklingError(f"Weights only load failed: unsupported storage {saved_id!r:.80}")
         nbytes = numel * torch._utils._element_size(dtype)
         declared[key] = max(declared.get(key, 0), nbytes)
-        meta = torch.UntypedStorage(nbytes, device="meta")
+        meta = created.setdefault(key, torch.UntypedStorage(nbytes, device="meta"))
         return torch.storage.TypedStorage(wrap_storage=meta, dtype=dtype, _internal=True)
 
+    declared: dict[Any, int] = {}
+    created: dict[Any, torch.UntypedStorage] = {}
     unpickler = weights_only.Unpickler(f, encoding="utf-8")
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
     try:
-        for _ in range(3):  # magic number, protocol version, system info: plain data
-            weights_only.load(f, encoding="utf-8")
+        # the headers, plain data, checked as torch's legacy reader checks them
+        if weights_only.load(f, encoding="utf-8") != torch.serialization.MAGIC_NUMBER:
+            raise RuntimeError("Invalid magic number; corrupt file?")
+        if weights_only.load(f, encoding="utf-8") != torch.serialization.PROTOCOL_VERSION:
+            raise RuntimeError("Invalid protocol version; corrupt file?")
+        weights_only.load(f, encoding="utf-8")  # system info
         unpickler.load()
     except pickle.UnpicklingError as e:  # phrased as torch.load phrases a refused global
         if "Weights only" in str(e):
             raise
         raise pickle.UnpicklingError(f"Weights only load failed: {e}") from None
-    return declared
+    # A tensor rebuilt on a storage grows it to fit its shape (``set_``): the real reader reserves
+    # the grown size, and so do these meta storages.
+    return {key: max(n, created[key].nbytes()) for key, n in declared.items()}
 
 
 # ---------------------------------------------------------------------------------- pickle files

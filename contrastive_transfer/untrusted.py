@@ -290,13 +290,28 @@ def walk_tensors(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
             stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
 
 
-def check_loaded_tensors(obj: Any, path: str | os.PathLike, kind: str) -> None:
-    """Every dense tensor anywhere in a loaded file (weights or a training or probe state) is a
-    plain view of its storage (``_view_problem``): the same rule as ``tensor_problem``'s for
-    weights, from the metadata, nothing read."""
+def check_loaded_tensors(obj: Any, path: str | os.PathLike, kind: str, file_bytes: int | None = None) -> None:
+    """Every tensor anywhere in a loaded file (weights or a training or probe state) is dense and
+    a plain view of its storage (``_view_problem``, the same rule as ``tensor_problem``'s for
+    weights), from the metadata, nothing read. With ``file_bytes``, the distinct storages together
+    fit in the file: a tensor torch.load made from a size the pickle states (``torch.Tensor(n)``)
+    rather than from stored bytes is refused before anything touches its memory."""
     _kind(kind)  # a kind the gate knows
+    storages: dict[tuple[int, int], int] = {}
     for where, item in walk_tensors(obj):
-        if item.layout == torch.strided and not item.is_meta:
-            problem = _view_problem(item)
-            if problem is not None:
-                raise _refuse(path, f"tensor {where} {problem}")
+        if item.is_meta:
+            continue
+        if item.layout != torch.strided:
+            layout = str(item.layout).replace("torch.", "")
+            raise _refuse(path, f"tensor {where} is a {layout} tensor, expected dense tensors")
+        problem = _view_problem(item)
+        if problem is not None:
+            raise _refuse(path, f"tensor {where} {problem}")
+        storage = item.untyped_storage()
+        storages[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    if file_bytes is not None and sum(storages.values()) > file_bytes:
+        raise _refuse(
+            path,
+            f"holds {_size(sum(storages.values()))} of tensor storage in a file of {_size(file_bytes)}: tensors "
+            "made from sizes the file states, not stored in it",
+        )

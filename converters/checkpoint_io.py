@@ -233,7 +233,10 @@ def pycls_problem(ckpt) -> str | None:
     Its ResNet cannot be read faithfully: where a block's stride sits (the 1x1 or the 3x3 conv) is
     pycls's ``RESNET.STRIDE_1X1``, whose default changed between pycls versions, and the weights do
     not record it (a strided 1x1 has the shape of an unstrided one)."""
-    state = _container(ckpt, "model_state")
+    try:
+        state = _container(ckpt, "model_state")
+    except _KeyCollision:  # not judged here: the layout search names the collision
+        return None
     if not state or not any(k.startswith("stem.conv.") or re.match(r"s\d+\.b\d+\.", k) for k in state):
         return None
     return (

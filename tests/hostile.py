@@ -140,6 +140,33 @@ def legacy_unreferenced(numel: int) -> bytes:
     return head + obj + b"\x80\x02]."  # the storage keys: none
 
 
+def legacy_growing(numel: int) -> bytes:
+    """A legacy-format file whose storage holds 7 floats and whose tensor on it has ``numel``
+    elements: torch's legacy reader grows the storage to the tensor's shape (``set_``) before
+    any check, so the file asks for ``4 * numel`` bytes in a few hundred."""
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(7.0)}, buffer, _use_new_zipfile_serialization=False)
+    data = buffer.getvalue()
+    at = data.index(b"QK\x00K\x07\x85") + 3  # after the storage's id (BINPERSID) and offset 0: the size (7,)
+    return data[:at] + b"J" + struct.pack("<i", numel) + data[at + 2 :]
+
+
+class _SizedCall:
+    """Pickles as ``make(n)``: a call torch's weights-only loader allows (``bytearray``, a tensor
+    class, ``torch.Tensor``) that reserves memory of the size the file states."""
+
+    def __init__(self, make: Callable, n: int):
+        self.make, self.n = make, n
+
+    def __reduce__(self):
+        return (self.make, (self.n,))
+
+
+def sized_call(make: Callable, n: int) -> bytes:
+    """A torch zip file of a few hundred bytes holding ``make(n)`` beside a stored tensor."""
+    return torch_bytes({"w": torch.zeros(4), "x": _SizedCall(make, n)})
+
+
 def _zip(entries: list[tuple[str, bytes, int, int, int]]) -> bytes:
     """A zip32 archive of (name, stored bytes, method, uncompressed size, crc) records."""
     out, central = io.BytesIO(), io.BytesIO()
@@ -215,6 +242,11 @@ def _torch_mutants(valid: Callable[[], dict], weights: bool) -> list[tuple[str, 
         # torch reads by the first bytes, zipfile by a directory at the end: still legacy to torch
         ("legacy_with_zip_trailer", _bytes(lambda: legacy_declaring(1 << 30) + b"PK\x05\x06" + bytes(18))),
         ("legacy_drops_a_4GiB_storage", _bytes(lambda: legacy_unreferenced(1 << 30))),
+        ("legacy_grows_a_storage_to_4GiB", _bytes(lambda: legacy_growing(1 << 30))),
+        ("bytearray_4GiB", _bytes(lambda: sized_call(bytearray, 1 << 32))),
+        ("tensor_class_4GiB", _bytes(lambda: sized_call(torch.FloatTensor, 1 << 30))),
+        # under the memory cap: made by torch.load, refused before anything touches it
+        ("tensor_256MiB_not_stored", _bytes(lambda: sized_call(torch.Tensor, 1 << 26))),
         ("top_level_list", _bytes(lambda: torch_bytes([1, 2, 3]))),
         ("payload", lambda path: path.write_bytes(pickle.dumps({"x": Payload(path.parent / "MARKER")}))),
     ]

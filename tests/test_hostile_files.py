@@ -40,9 +40,11 @@ from .hostile import (
     bomb_jpeg,
     bomb_png,
     legacy_declaring,
+    legacy_growing,
     legacy_unreferenced,
     mutants,
     resnet18_state,
+    sized_call,
     torch_bytes,
     zip_bomb,
 )
@@ -460,10 +462,14 @@ def test_control_dev_zero_and_a_zip_bomb_and_a_stride0_view_take_memory_without_
     from contrastive_transfer.untrusted import UnsafeFileError, check_archive, check_loaded_tensors, read_untrusted
 
     bomb, view, legacy = tmp_path / "bomb.pth", tmp_path / "view.pth", tmp_path / "legacy.pth"
-    dropped = tmp_path / "dropped.pth"
+    dropped, grown = tmp_path / "dropped.pth", tmp_path / "grown.pth"
+    buffer, tensor_class = tmp_path / "bytearray.pth", tmp_path / "tensor_class.pth"
     bomb.write_bytes(zip_bomb(torch_bytes({"w": torch.zeros(1)})))
     legacy.write_bytes(legacy_declaring(1 << 30))
     dropped.write_bytes(legacy_unreferenced(1 << 30))
+    grown.write_bytes(legacy_growing(1 << 30))
+    buffer.write_bytes(sized_call(bytearray, 1 << 32))
+    tensor_class.write_bytes(sized_call(torch.FloatTensor, 1 << 30))
     view.write_bytes(torch_bytes({"w": torch.zeros(1).expand(1 << 31)}))
     script = f"""
 import json, torch
@@ -474,6 +480,9 @@ for name, attack in [
     ("stride0", lambda: torch.isfinite(torch.load({str(view)!r}, weights_only=True)["w"]).all()),
     ("legacy", lambda: torch.load({str(legacy)!r}, weights_only=True)),
     ("dropped", lambda: torch.load({str(dropped)!r}, weights_only=True)),
+    ("grown", lambda: torch.load({str(grown)!r}, weights_only=True)),
+    ("bytearray", lambda: torch.load({str(buffer)!r}, weights_only=True)),
+    ("tensor_class", lambda: torch.load({str(tensor_class)!r}, weights_only=True)),
 ]:
     try:
         attack()
@@ -491,6 +500,9 @@ print(json.dumps(out))
     assert "alloc" in outcome["stride0"].lower(), outcome
     assert "alloc" in outcome["legacy"].lower() and legacy.stat().st_size < 1000, outcome
     assert "alloc" in outcome["dropped"].lower() and dropped.stat().st_size < 1000, outcome
+    assert "alloc" in outcome["grown"].lower() and grown.stat().st_size < 1000, outcome
+    assert outcome["bytearray"].startswith("MemoryError") and buffer.stat().st_size < 2000, outcome
+    assert "alloc" in outcome["tensor_class"].lower() and tensor_class.stat().st_size < 2000, outcome
     # the gate: each refused from sizes alone
     for path, check in [
         (Path("/dev/zero"), lambda p: read_untrusted(p, "weights")),
@@ -498,11 +510,36 @@ print(json.dumps(out))
         (view, lambda p: check_loaded_tensors(torch.load(p, weights_only=True), p, "weights")),
         (legacy, torch_load),
         (dropped, torch_load),
+        (grown, torch_load),
+        (buffer, torch_load),
+        (tensor_class, torch_load),
     ]:
         with pytest.raises(UnsafeFileError) as e:
             check(path)
         assert str(path) in str(e.value) and "\n" not in str(e.value)
     assert BOMB_INFLATED > MEMORY_CAP
+
+
+def test_a_tensor_not_stored_in_the_file_is_refused_before_it_is_touched(tmp_path):
+    """``torch.Tensor(n)`` in a pickle (allowed by torch's weights-only loader, as the type of
+    tensors with attributes) makes an uninitialized storage of n elements: the control loads 256 MiB
+    of storage from a file of a few hundred bytes; the gate refuses the file after the load, from
+    the storages' sizes, before any element is read."""
+    import torch
+
+    from contrastive_transfer.safe_load import torch_load
+    from contrastive_transfer.untrusted import UnsafeFileError
+
+    path = tmp_path / "not_stored.pth"
+    path.write_bytes(sized_call(torch.Tensor, 1 << 26))
+    loaded = torch.load(path, weights_only=True)["x"]  # the control
+    assert loaded.untyped_storage().nbytes() == 1 << 28 and path.stat().st_size < 2000
+    with pytest.raises(UnsafeFileError, match="256 MiB of tensor storage in a file of"):
+        torch_load(path, kind="training state")
+    stored = tmp_path / "stored.pth"  # a tied and sliced state of the same size class loads
+    w = torch.randn(1 << 16)
+    torch.save({"a": w, "b": w[10:], "c": w.view(256, 256).t()}, stored)
+    assert torch.equal(torch_load(stored)["c"], w.view(256, 256).t())
 
 
 def test_control_complex_nan_passed_the_old_finiteness_check_and_huge_jpeg_headers_are_live():

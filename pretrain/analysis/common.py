@@ -89,7 +89,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     except UnsafeFileError as e:
         raise AnalysisError(str(e)) from None
     except Exception as e:  # torch raises many kinds for a bad file
-        raise AnalysisError(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]  # some say nothing (EOFError)
+        raise AnalysisError(f"cannot read checkpoint {path}: {first}") from None
     if not isinstance(state, dict):
         raise AnalysisError(f"checkpoint {path}: expected a dict, got {type(state).__name__}")
     return training_state(state) or state  # a training state with today's keys (older files: "method")
