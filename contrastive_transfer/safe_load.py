@@ -216,13 +216,13 @@ def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = (), kind:
 def _sized_constructors() -> frozenset[str]:
     """Globals torch's weights-only loader allows that build a buffer or a tensor from a size the
     pickle states rather than from stored bytes: ``bytearray(n)`` fills n bytes with zeros, a tensor
-    class ``torch.FloatTensor(n)`` reserves n elements, the quantized, sparse, nested and wrapper
-    rebuilders allocate the shape they are given. torch.save writes none of them for the dense
+    class ``torch.FloatTensor(n)`` reserves n elements, the quantized, nested and wrapper rebuilders
+    allocate or describe the shape they are given. torch.save writes none of them for the dense
     tensors of a checkpoint. (``torch.Tensor`` is allowed too, as the type argument of tensors with
     attributes; a storage it makes is not backed by the file, which ``check_loaded_tensors``
-    refuses after the load.)"""
+    refuses after the load, as it refuses a sparse tensor, naming its key.)"""
     classes = {f"{t.__module__}.{t.__name__}" for t in torch._tensor_classes}
-    rebuilders = ("_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor", "_rebuild_wrapper_subclass")
+    rebuilders = ("_rebuild_qtensor", "_rebuild_nested_tensor", "_rebuild_wrapper_subclass")
     return frozenset({"builtins.bytearray", *classes, *(f"torch._utils.{r}" for r in rebuilders)})
 
 
@@ -314,6 +314,9 @@ def _legacy_declared_storages(f: IO[bytes]) -> dict[Any, int]:
 
     declared: dict[Any, int] = {}
     created: dict[Any, torch.UntypedStorage] = {}
+    # sparse tensors rebuilt here are queued in torch's global list for validation by the next
+    # torch.load, which cannot validate meta tensors: they leave the list with the dry run
+    pending, queued = torch._utils._sparse_tensors_to_validate, len(torch._utils._sparse_tensors_to_validate)
     unpickler = weights_only.Unpickler(f, encoding="utf-8")
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
     try:
@@ -328,6 +331,8 @@ def _legacy_declared_storages(f: IO[bytes]) -> dict[Any, int]:
         if "Weights only" in str(e):
             raise
         raise pickle.UnpicklingError(f"Weights only load failed: {e}") from None
+    finally:
+        del pending[queued:]
     # A tensor rebuilt on a storage grows it to fit its shape (``set_``): the real reader reserves
     # the grown size, and so do these meta storages.
     return {key: max(n, created[key].nbytes()) for key, n in declared.items()}
