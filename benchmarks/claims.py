@@ -434,6 +434,22 @@ def missing_runs(every: dict[str, Claim], seeds: list[int], kept: dict[tuple, di
     return out
 
 
+def owed_extra_runs(every: dict[str, Claim], required: list[int], seeds: list[int], kept, hashes) -> list[str]:
+    """The extra seeds' runs owed to comparisons whose effect over the required seeds is smaller
+    than its spread (what ``run_claim`` measures after the base seeds)."""
+    extra = [s for s in seeds if s not in required]
+    out = []
+    for claim in every.values():
+        found = {c: list(effects(c, required, kept, hashes).values()) for c in claim.comparisons}
+        undecided = [c for c in claim.comparisons if needs_more_seeds(found[c])]
+        for arm in dict.fromkeys(a for c in undecided for a in (*c.plus, *c.minus)):
+            gone = [s for s in extra if (PRESET, arm.recipe, s, hashes[arm, s]) not in kept]
+            if gone:
+                out.append(f"{arm.label} (`{arm.recipe}` {_overrides(arm)}, {arm.epochs} epochs; {claim.name}: an "
+                           f"effect within its spread): seeds {', '.join(map(str, gone))}")  # fmt: skip
+    return list(dict.fromkeys(out))
+
+
 def write_document(
     every: dict[str, Claim], seeds: list[int], rows: list[dict], out: Path, required: list[int] | None = None
 ) -> None:
@@ -447,7 +463,7 @@ def write_document(
     measured = list({id(r): r for r in measured}.values())  # an arm shared by two claims: one run
     machines = sorted({r.get("machine", "?") for r in measured}) or [f"{cpu_name()}, {os.cpu_count()} cores"]
     minutes = sum(r["seconds"] for r in measured) / 60
-    missing = missing_runs(every, required, kept, hashes)
+    missing = missing_runs(every, required, kept, hashes) + owed_extra_runs(every, required, seeds, kept, hashes)
     lines = [
         "# Each paper's headline claim in miniature, on the real digits",
         "",

@@ -97,6 +97,19 @@ def test_a_claim_with_no_runs_is_listed_as_pending_and_missing(tmp_path, fake_ha
     assert "- B (`tiny_dcl` `train.batch_size=32`, 20 epochs): seeds 0, 1, 2" in text
 
 
+def test_the_extra_seeds_an_effect_within_its_spread_is_owed_are_listed_as_missing(tmp_path, fake_hash):
+    # B − A: +1, −1, +3 over seeds 0-2, mean +1.0 below its std 2.0: seeds 3 and 4 are owed
+    rows = [_row(A, s, 50.0) for s in range(3)] + [_row(B, s, k) for s, k in enumerate((51.0, 49.0, 53.0))]
+    out = tmp_path / "claims.md"
+    bench.write_document({"toy": TOY}, [0, 1, 2, 3, 4], rows + [_row(A, 3, 50.0)], out, [0, 1, 2])
+    text = out.read_text()
+    assert "- A (`tiny_simclr` -, 20 epochs; toy: an effect within its spread): seeds 4" in text
+    assert "- B (`tiny_dcl` `train.batch_size=32`, 20 epochs; toy: an effect within its spread): seeds 3, 4" in text
+    rows = [_row(A, s, 50.0) for s in range(3)] + [_row(B, s, 55.0 + s) for s in range(3)]  # decided: none owed
+    bench.write_document({"toy": TOY}, [0, 1, 2, 3, 4], rows, out, [0, 1, 2])
+    assert "Every planned run is measured." in out.read_text()
+
+
 def test_runs_are_kept_by_config_hash_and_extra_seeds_go_to_undecided_effects(tmp_path, monkeypatch, fake_hash):
     data = tmp_path / "data"
     data.mkdir()
