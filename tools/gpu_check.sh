@@ -7,7 +7,7 @@
 #   3. JPEGs decoded on the GPU (data.backend=device, nvJPEG): a run that trains, and the data path's
 #      images/s per core and on the GPU (python -m benchmarks.data --device cuda), the batched decode
 #      alone with TorchCodec's decoder and torchvision's (both, where TorchCodec is installed).
-# Each section runs on its own: a failed one is reported (with its log) in benchmarks/gpu.md and the
+# They run in the order 1, 3, 2 (the data path before the long compiled runs). Each runs on its own: a failed one is reported (with its log) in benchmarks/gpu.md and the
 # next one still runs, so one broken part does not cost the figures of the others.
 # Usage: bash tools/gpu_check.sh            (after `make setup` with a CUDA build of torch)
 set -uo pipefail
