@@ -434,15 +434,19 @@ def missing_runs(every: dict[str, Claim], seeds: list[int], kept: dict[tuple, di
     return out
 
 
+def undecided_arms(claim: Claim, seeds: list[int], kept: dict[tuple, dict], hashes: dict) -> list[Arm]:
+    """The arms of the claim's comparisons whose effect over ``seeds`` is smaller than its spread."""
+    undecided = [c for c in claim.comparisons if needs_more_seeds(list(effects(c, seeds, kept, hashes).values()))]
+    return list(dict.fromkeys(a for c in undecided for a in (*c.plus, *c.minus)))
+
+
 def owed_extra_runs(every: dict[str, Claim], required: list[int], seeds: list[int], kept, hashes) -> list[str]:
     """The extra seeds' runs owed to comparisons whose effect over the required seeds is smaller
     than its spread (what ``run_claim`` measures after the base seeds)."""
     extra = [s for s in seeds if s not in required]
     out = []
     for claim in every.values():
-        found = {c: list(effects(c, required, kept, hashes).values()) for c in claim.comparisons}
-        undecided = [c for c in claim.comparisons if needs_more_seeds(found[c])]
-        for arm in dict.fromkeys(a for c in undecided for a in (*c.plus, *c.minus)):
+        for arm in undecided_arms(claim, required, kept, hashes):
             gone = [s for s in extra if (PRESET, arm.recipe, s, hashes[arm, s]) not in kept]
             if gone:
                 out.append(f"{arm.label} (`{arm.recipe}` {_overrides(arm)}, {arm.epochs} epochs; {claim.name}: an "
@@ -582,8 +586,7 @@ def run_claim(claim: Claim, args, data: Path, work: Path, write) -> None:
                 write()
     hashes = plan_hashes({claim.name: claim}, [*args.seeds, *args.extra_seeds])
     kept = latest(known_runs(args))
-    undecided = [c for c in claim.comparisons if needs_more_seeds(list(effects(c, args.seeds, kept, hashes).values()))]
-    arms = dict.fromkeys(a for c in undecided for a in (*c.plus, *c.minus))
+    arms = undecided_arms(claim, args.seeds, kept, hashes)
     for seed in args.extra_seeds:
         for arm in arms:
             if measure_kept(arm, seed, args, data, work):
