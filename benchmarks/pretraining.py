@@ -118,8 +118,10 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
 
     backbone = method.backbone
 
-    def backbone_step():
-        sum(backbone(v).float().pow(2).mean() for v in views).backward()
+    def backbone_step():  # in the engine's precision too, like bare_step
+        with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
+            loss = sum(backbone(v).float().pow(2).mean() for v in views)
+        loss.backward()
         sync()
 
     # The data path alone, in this one process (a worker's share per core: decode, views, collate)
@@ -297,6 +299,8 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
             f"{r['engine_over_bare']:.3f} | {1e3 * r['backbone_s']:.1f} | {r['bare_over_backbone']:.2f} | "
             f"{r['peak_mib']:.0f} |"
         )
+    if not aug:  # --no-augmentation: no empty tables
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "Two-view augmentation throughput (images/s, each image giving two views; decode included; "

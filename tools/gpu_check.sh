@@ -10,6 +10,8 @@
 # They run in the order 1, 3, 2 (the data path before the long compiled runs). Each runs on its own: a failed one is reported (with its log) in benchmarks/gpu.md and the
 # next one still runs, so one broken part does not cost the figures of the others.
 # Usage: bash tools/gpu_check.sh            (after `make setup` with a CUDA build of torch)
+#        SECTIONS="speed" bash tools/gpu_check.sh   (some sections only: a short lease spends its
+#        minutes on what is still unmeasured; benchmarks/gpu.md then holds those sections alone)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -58,7 +60,8 @@ echo "mocov2, data.backend=device: $(grep -c '"loss"' "$WORK/mocov2_device/metri
 $PY -m benchmarks.data --device cuda --runs 5 --out "$WORK/data_device.md" > /dev/null
 }
 failed=""
-for section in equivalence device speed; do  # the data path before the long compiled runs
+SECTIONS=${SECTIONS:-equivalence device speed}  # the data path before the long compiled runs
+for section in $SECTIONS; do
   echo "== $section"
   "section_$section" || { echo "error: section $section failed"; failed="$failed $section"; }
 done
