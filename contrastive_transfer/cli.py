@@ -222,21 +222,23 @@ def _first_non_finite(obj: Any, where: str) -> tuple[str, float] | None:
     return None
 
 
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinity, nested in dicts, lists and tuples, replaced by None:
+    for outputs where an undefined number is a result (a log row, a diagnostic's estimate), not a
+    fault. Their readers, this project's own included (``json_limits``), take standard JSON only."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 def json_line(row: dict) -> str:
     """``row`` as one line of a JSON-lines log, a NaN or infinity written as null: a log keeps
-    every row (an fp16 overflow's infinite gradient norm is worth a row), and its readers, this
-    project's own included (``json_limits``), take standard JSON only."""
-
-    def finite(value: Any) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {k: finite(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [finite(v) for v in value]
-        return value
-
-    return json.dumps(finite(row), allow_nan=False) + "\n"
+    every row (an fp16 overflow's infinite gradient norm is worth a row)."""
+    return json.dumps(finite_or_null(row), allow_nan=False) + "\n"
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> Path:

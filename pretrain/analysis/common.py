@@ -12,7 +12,6 @@ import argparse
 import csv
 import inspect
 import io
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -24,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from contrastive_transfer.cli import UserError, atomic_write
+from contrastive_transfer.cli import UserError, atomic_write, finite_or_null, write_json
 from contrastive_transfer.contract import METHOD_STATE, training_state
 from contrastive_transfer.progress import progress
 from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
@@ -43,8 +42,10 @@ def write_text(path: Path, text: str) -> Path:
     return path
 
 
-def write_json(path: Path, obj: Any) -> Path:
-    return write_text(path, json.dumps(obj, indent=2) + "\n")
+def write_summary(path: Path, summary: dict) -> Path:
+    """A diagnostic's summary as JSON, an estimate that came out NaN or infinite written as null
+    (standard JSON, which ``json.dumps`` alone would not write), through ``write_json``."""
+    return write_json(path, finite_or_null(summary), indent=2)
 
 
 def write_csv(path: Path, columns: Sequence[str], rows: Iterable[dict]) -> Path:

@@ -35,7 +35,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from contrastive_transfer.progress import progress
-from pretrain.analysis.common import AnalysisError, pyplot, save_figure, write_csv, write_json
+from pretrain.analysis.common import AnalysisError, pyplot, save_figure, write_csv, write_summary
 from pretrain.losses import eqco_margin, info_nce, mi_lower_bound
 
 LOSSES = ("infonce", "eqco")
@@ -248,7 +248,7 @@ def run(cfg: ToyConfig, out_dir: Path) -> dict:
     }
     out_dir = Path(out_dir)
     write_csv(out_dir / "mi_toy.csv", ["true_mi", "k", "loss", "estimate", "ceiling", "paper"], rows)
-    write_json(out_dir / "mi_toy.json", summary)
+    write_summary(out_dir / "mi_toy.json", summary)
     plot(rows, cfg, out_dir / "mi_toy.png")
     summary["table"] = format_table(rows, tuple(cfg.ks))
     return summary

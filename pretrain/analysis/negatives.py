@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from contrastive_transfer.contract import METHOD_STATE
 from pretrain.analysis import common
-from pretrain.analysis.common import AnalysisError, write_csv, write_json
+from pretrain.analysis.common import AnalysisError, write_csv, write_summary
 from pretrain.data import ImageDataset
 
 # state_dict key of the method -> what it is. Each holds d×K negatives, one per column.
@@ -174,7 +174,7 @@ def run(
     }
     if "filled" in state[METHOD_STATE]:  # AdCo: columns still random before the bank is filled
         summary["bank_filled"] = int(state[METHOD_STATE]["filled"])
-    write_json(out_dir / "negatives.json", summary)
+    write_summary(out_dir / "negatives.json", summary)
     plot(
         xy,
         n_neg,

@@ -32,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pretrain.analysis import common
-from pretrain.analysis.common import AnalysisError, write_csv, write_json
+from pretrain.analysis.common import AnalysisError, write_csv, write_summary
 from pretrain.augment import build_view_transforms
 from pretrain.config import saved_config
 from pretrain.data import ImageDataset
@@ -233,7 +233,7 @@ def run(
         "stats": stats,
         "histogram": {"edges": edges.tolist(), "counts": histograms},
     }
-    write_json(out_dir / "npc.json", summary)
+    write_summary(out_dir / "npc.json", summary)
     plot(
         stats,
         values,

@@ -337,3 +337,21 @@ def test_a_plain_pickle_named_pth_is_one_line_as_torch_phrases_it(tmp_path):
         torch.load(path, weights_only=True)  # the judge
     with pytest.raises(AnalysisError, match=f"cannot read checkpoint {path}: Invalid magic number; corrupt file"):
         load_checkpoint(path)
+
+
+def test_a_summary_writes_an_undefined_estimate_as_null_in_standard_json(tmp_path):
+    """The judge is a strict JSON reader (Python's, refusing the NaN/Infinity tokens that
+    ``json.dumps`` writes by default); the control shows plain ``json.dumps`` fails it."""
+    from pretrain.analysis.common import write_summary
+
+    def strict(text: str):
+        def refuse(token):
+            raise ValueError(f"not standard JSON: {token}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    summary = {"mi": float("nan"), "bounds": [1.5, float("inf")], "per_k": {"16": -float("inf"), "64": 2.0}}
+    with pytest.raises(ValueError, match="not standard JSON"):
+        strict(json.dumps(summary))  # the control: what the analysis wrote before
+    path = write_summary(tmp_path / "s.json", summary)
+    assert strict(path.read_text()) == {"mi": None, "bounds": [1.5, None], "per_k": {"16": None, "64": 2.0}}
