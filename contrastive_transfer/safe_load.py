@@ -185,6 +185,16 @@ def _numeric() -> Any:
 NUMPY_RNG_GLOBALS: list[Any] = _numpy_rng_globals()
 
 
+def is_torch_zip(f: IO[bytes]) -> bool:
+    """Whether torch reads ``f`` as its zip format: by its first bytes (a local record's magic), as
+    torch itself decides, not by a directory near the end as ``zipfile.is_zipfile`` does; a legacy
+    file or a pickle with a zip trailer is a zip to zipfile, not to torch. Leaves ``f`` at 0."""
+    f.seek(0)
+    magic = f.read(4)
+    f.seek(0)
+    return magic == b"PK\x03\x04"
+
+
 def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = (), kind: str = "weights") -> Any:
     """``torch.load(weights_only=True)`` on the CPU of ``path`` read through the gate as ``kind``
     (``contrastive_transfer.untrusted.KINDS``), allowing only ``extra_globals`` beyond torch's data
@@ -194,10 +204,7 @@ def torch_load(path: str | os.PathLike, extra_globals: Iterable[Any] = (), kind:
     extra = list(extra_globals)
     with open_untrusted(path, kind) as f:
         check_archive(f, path, kind)
-        # torch reads a file as a zip by its first bytes (a local record's magic), zipfile by a
-        # directory near the end: a legacy file with a zip trailer is a zip to one, not the other
-        torch_zip = f.read(4) == b"PK\x03\x04"
-        f.seek(0)
+        torch_zip = is_torch_zip(f)
         _check_sized_calls(f, path, torch_zip)
         try:
             with torch.serialization.safe_globals(extra):
@@ -393,14 +400,19 @@ def load_pickle(path: str | os.PathLike) -> Any:
     UnsafeFileError names every global the file refers to beyond numpy arrays and containers (by a
     static scan); pickle.UnpicklingError and others propagate for a file that is not a pickle."""
     data = read_untrusted(path, "weights")
-    if zipfile.is_zipfile(io.BytesIO(data)):
+    if is_torch_zip(io.BytesIO(data)):
         raise pickle.UnpicklingError("a zip archive (a file written by torch.save: rename it to .pth)")
     try:
-        return _DataUnpickler(io.BytesIO(data), encoding="latin1").load()
+        obj = _DataUnpickler(io.BytesIO(data), encoding="latin1").load()
     except _Refused as e:
         allowed = {f"{m}.{n}" for m, n in _PICKLE_ALLOWED}
         names = [g for g in pickle_globals(data) if g not in allowed] or [e.name]
         raise UnsafeFileError(refusal(path, names)) from None
+    if type(obj) is int and obj == torch.serialization.MAGIC_NUMBER:
+        # torch.save's legacy format opens with this number in a pickle of its own: a pickle reader
+        # would return it and leave the weights, in the pickles after it, unread
+        raise pickle.UnpicklingError("a file written by torch.save in its legacy format: rename it to .pth")
+    return obj
 
 
 # -------------------------------------------------------------------------- one reader per format
@@ -431,7 +443,7 @@ def load_weights_file(path: str | os.PathLike) -> Any:
         return _load_safetensors(path)
     if name.endswith(".pkl"):
         with open_untrusted(path, "weights") as f:
-            is_zip = zipfile.is_zipfile(f)
+            is_zip = is_torch_zip(f)
         if not is_zip:
             return load_pickle(path)
     return torch_load(path, NUMPY_RNG_GLOBALS)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError, atomic_write, command
-from contrastive_transfer.safe_load import load_pickle, torch_load
+from contrastive_transfer.safe_load import is_torch_zip, load_pickle, torch_load
 
 FLAG = "--i-trust-this-file"
 _SCALARS = (str, int, float, bool, bytes, type(None))
@@ -36,7 +35,9 @@ _SCALARS = (str, int, float, bool, bytes, type(None))
 
 def _trusted_load(path: Path) -> Any:
     """The one unrestricted unpickling of the project (see the module docstring)."""
-    if zipfile.is_zipfile(path) or path.suffix in (".pth", ".pt", ".tar", ".pyth"):
+    with open(path, "rb") as f:
+        torch_zip = is_torch_zip(f)
+    if torch_zip or path.suffix in (".pth", ".pt", ".tar", ".pyth"):
         try:
             return torch.load(path, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
         except pickle.UnpicklingError:

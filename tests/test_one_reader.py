@@ -202,3 +202,45 @@ def test_a_pycls_checkpoint_gets_the_same_line_from_the_evaluators_converters_an
     for message in (str(evaluator.value), str(detection.value), converter):
         assert "R-18.pyth" in message and sentence in message and "\n" not in message, message
     assert not (tmp_path / "out.pkl").exists()
+
+
+def test_a_zip_trailer_does_not_change_how_a_file_is_read(tmp_path):
+    """Which reader a file gets is decided by its first bytes, as torch decides (the judge:
+    ``torch.load`` reads a legacy file with a zip appended as the legacy file it starts with).
+    ``zipfile.is_zipfile`` looks for a directory near the end instead, so before, the same file
+    with a zip trailer was loaded while without one the ``.pkl`` reader returned the number the
+    legacy format opens with (its first pickle) as if it were the weights; now both are one line
+    saying to rename the file. The control shows the trailer makes it a zip to zipfile."""
+    import io
+    import zipfile
+
+    from contrastive_transfer.safe_load import is_torch_zip, load_weights_file
+
+    legacy = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, legacy, _use_new_zipfile_serialization=False)
+    trailer = io.BytesIO()
+    with zipfile.ZipFile(trailer, "w") as z:
+        z.writestr("x", "y")
+    plain, polyglot = tmp_path / "plain.pkl", tmp_path / "polyglot.pkl"
+    plain.write_bytes(legacy.getvalue())
+    polyglot.write_bytes(legacy.getvalue() + trailer.getvalue())
+    assert zipfile.is_zipfile(polyglot) and not zipfile.is_zipfile(plain)  # the control
+    assert torch.equal(torch.load(polyglot, weights_only=True)["w"], torch.arange(4.0))  # torch: legacy
+    with open(polyglot, "rb") as f:
+        assert not is_torch_zip(f) and f.tell() == 0
+    errors = []
+    for path in (plain, polyglot):
+        with pytest.raises(pickle.UnpicklingError) as e:
+            load_weights_file(path)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "rename it to .pth" in errors[0], errors
+    pytest.importorskip("detectron2")
+    from contrastive_transfer.errors import ConfigError
+    from transfer.detection.config import read_weights
+
+    lines = []
+    for path in (plain, polyglot):
+        with pytest.raises(ConfigError) as e:
+            read_weights(str(path))
+        lines.append(str(e.value).replace(str(path), "PATH"))
+    assert lines[0] == lines[1] and "rename it to .pth" in lines[0], lines

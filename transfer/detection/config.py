@@ -21,7 +21,6 @@ import hashlib
 import io
 import os
 import re
-import zipfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -34,7 +33,7 @@ from yacs.config import CfgNode as _YacsNode
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.network import OPT_IN, fetch, fetch_to, is_url, local_name
 from contrastive_transfer.paths import escapes
-from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
+from contrastive_transfer.safe_load import UnsafeFileError, is_torch_zip, load_weights_file
 from contrastive_transfer.untrusted import open_untrusted, read_untrusted, tensor_problem
 from contrastive_transfer.yaml_limits import base_names, check_chain, compose_text
 from contrastive_transfer.yaml_limits import decode as decode_yaml
@@ -392,7 +391,7 @@ def read_weights(path: str) -> dict:
 
 def _is_torch_zip(path: str) -> bool:
     with open_untrusted(path, "weights") as f:
-        return zipfile.is_zipfile(f)
+        return is_torch_zip(f)
 
 
 def _refuse_torchvision_names(path: str, data: object) -> None:
