@@ -43,7 +43,11 @@ def _trusted_load(path: Path) -> Any:
         except pickle.UnpicklingError:
             pass  # a plain pickle named .pth: read it as one below
     with open(path, "rb") as f:
-        return pickle.load(f, encoding="latin1")  # noqa: S301 - the opt-in
+        obj = pickle.load(f, encoding="latin1")  # noqa: S301 - the opt-in
+    if type(obj) is int and obj == torch.serialization.MAGIC_NUMBER:
+        # torch.save's legacy format under another name: this number is only its first pickle
+        return torch.load(path, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
+    return obj
 
 
 def plain(obj: Any, where: str, dropped: list[str], numpy_out: bool = False) -> Any:

@@ -243,4 +243,32 @@ def test_a_zip_trailer_does_not_change_how_a_file_is_read(tmp_path):
         with pytest.raises(ConfigError) as e:
             read_weights(str(path))
         lines.append(str(e.value).replace(str(path), "PATH"))
-    assert lines[0] == lines[1] and "rename it to .pth" in lines[0], lines
+    assert lines[0] == lines[1] and lines[0].count("rename it to .pth") == 1, lines
+
+
+def test_legacy_to_safe_converts_a_legacy_file_whatever_its_name(tmp_path):
+    """The opt-in converter is what the refusals point to, so it must read the file they refuse:
+    a legacy torch file named .pkl, with or without a zip trailer, converts to its weights. The
+    control is the same bytes named .pth, read by torch.load; the judge, the tensor saved.
+    Before, the .pkl gave torch's magic number (its first pickle), written as the "weights"."""
+    import io
+    import zipfile
+
+    from contrastive_transfer.safe_load import torch_load
+    from converters import legacy_to_safe
+
+    legacy = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, legacy, _use_new_zipfile_serialization=False)
+    trailer = io.BytesIO()
+    with zipfile.ZipFile(trailer, "w") as z:
+        z.writestr("x", "y")
+    files = {
+        "control.pth": legacy.getvalue(),
+        "plain.pkl": legacy.getvalue(),
+        "polyglot.pkl": legacy.getvalue() + trailer.getvalue(),
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        out = tmp_path / f"{name}.safe.pth"
+        legacy_to_safe.main([str(tmp_path / name), str(out), "--i-trust-this-file"])
+        assert torch.equal(torch_load(out)["w"], torch.arange(4.0)), name

@@ -12,6 +12,7 @@
 # Usage: bash tools/gpu_check.sh            (after `make setup` with a CUDA build of torch)
 #        SECTIONS="speed" bash tools/gpu_check.sh   (some sections only: a short lease spends its
 #        minutes on what is still unmeasured; benchmarks/gpu.md then holds those sections alone)
+ran() { case " $SECTIONS " in *" $1 "*) return 0 ;; esac; return 1; }
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -68,13 +69,17 @@ done
 {
   echo "# GPU check"
   echo
-  echo "\`bash tools/gpu_check.sh\` on $($PY -c 'import torch; print(torch.cuda.get_device_name())') x $GPUS, $(date -u +%F)."
+  echo "\`SECTIONS=\"$SECTIONS\" bash tools/gpu_check.sh\` on $($PY -c 'import torch; print(torch.cuda.get_device_name())') x $GPUS, $(date -u +%F)."
   echo
   [ -z "$failed" ] || { echo "Sections that failed (their logs are under $WORK):$failed."; echo; }
-  echo "## Equivalence"; echo; echo '```'; cat "$WORK/equivalence.txt" 2>/dev/null; echo '```'
-  for f in "$WORK"/bench_*.md; do [ -f "$f" ] || continue; echo; echo "## $(basename "$f" .md)"; tail -n +2 "$f"; done
-  echo; echo "## Decode on the GPU (data.backend=device)"; echo
-  cat "$WORK/device.txt" 2>/dev/null; [ -f "$WORK/data_device.md" ] && tail -n +2 "$WORK/data_device.md"
+  if ran equivalence; then echo "## Equivalence"; echo; echo '```'; cat "$WORK/equivalence.txt" 2>/dev/null; echo '```'; fi
+  if ran speed; then
+    for f in "$WORK"/bench_*.md; do [ -f "$f" ] || continue; echo; echo "## $(basename "$f" .md)"; tail -n +2 "$f"; done
+  fi
+  if ran device; then
+    echo; echo "## Decode on the GPU (data.backend=device)"; echo
+    cat "$WORK/device.txt" 2>/dev/null; [ -f "$WORK/data_device.md" ] && tail -n +2 "$WORK/data_device.md"
+  fi
 } > benchmarks/gpu.md
 echo "wrote benchmarks/gpu.md"
 [ -z "$failed" ]

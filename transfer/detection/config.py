@@ -367,7 +367,8 @@ def read_weights(path: str) -> dict:
         raise
     except Exception as e:  # torch.load / pickle raise many types for a file that is not one
         saved_by_torch = "persistent" in str(e) or "torch.save" in str(e)  # the legacy format named .pkl
-        extra = " (written by torch.save: rename it to .pth)" if saved_by_torch else ""
+        said = "rename it to .pth" in str(e)  # load_pickle's own line says it already
+        extra = " (written by torch.save: rename it to .pth)" if saved_by_torch and not said else ""
         raise ConfigError(
             f"MODEL.WEIGHTS {path}: unreadable ({type(e).__name__}: {_one_line(e)}){extra}; {_HINT}"
         ) from None
