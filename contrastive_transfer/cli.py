@@ -147,6 +147,16 @@ class OutputLock:
     """
 
     NAME = ".lock"
+    # The descriptors this process holds locks on. A forked child (a DataLoader worker) shares
+    # each one, and the kernel keeps the lock until the last copy closes: without this, a run
+    # killed outright stays "in use" until its workers notice and exit.
+    _held: set[int] = set()
+
+    @classmethod
+    def _drop_in_child(cls) -> None:
+        for fd in cls._held:
+            os.close(fd)  # the child's copy only: the parent still holds the lock
+        cls._held.clear()
 
     def __init__(self, directory: str | os.PathLike, what: str = "output directory"):
         self.directory, self.what = Path(directory), what
@@ -171,19 +181,26 @@ class OutputLock:
             fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0
         )
         self._fd = fd
+        OutputLock._held.add(fd)
         return self
 
     def release(self) -> None:
         # The file stays: unlinking it would let a waiting process lock a file nobody else sees.
-        if self._fd is not None:
+        # in a forked child the number may name another file by now: only a held one is closed
+        if self._fd in OutputLock._held:
+            OutputLock._held.discard(self._fd)
             os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+        self._fd = None
 
     def __enter__(self) -> "OutputLock":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=OutputLock._drop_in_child)
 
 
 def _temporary_for(path: Path) -> Path:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,49 @@ def test_second_run_is_refused_naming_the_holder_and_a_killed_holder_does_not_bl
             OutputLock(tmp_path).acquire()
     with OutputLock(tmp_path):
         pass
+
+
+_HOLD_WITH_A_WORKER = textwrap.dedent("""
+    import fcntl, multiprocessing, os, sys, time
+    from contrastive_transfer.cli import OutputLock
+    if sys.argv[2] == "raw":  # the control: a plain flock, shared with the child like any descriptor
+        fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    else:
+        OutputLock(sys.argv[1]).acquire()
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    worker.start()  # as a DataLoader worker is started
+    print(worker.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("how", ["raw", "OutputLock"])
+def test_a_killed_run_does_not_leave_its_lock_to_its_forked_workers(how, tmp_path):
+    """The run is killed outright (SIGKILL, the OOM killer) and its worker lives on: the next run
+    must get the directory at once. The control (a plain flock) shows the worker's copy of the
+    descriptor keeps the lock."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_WITH_A_WORKER, str(tmp_path), how],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    worker = int(holder.stdout.readline())
+    try:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        os.kill(worker, 0)  # the worker is alive
+        deadline, got = time.monotonic() + 3, False  # the child drops its copy as it starts: soon
+        while not got and time.monotonic() < deadline:
+            try:
+                OutputLock(tmp_path).acquire().release()
+                got = True
+            except UserError:
+                time.sleep(0.05)
+        assert got is (how == "OutputLock"), how
+    finally:
+        os.kill(worker, signal.SIGKILL)
 
 
 def test_atomic_write_leaves_no_partial_file_and_stale_temporaries_are_removed(tmp_path):
