@@ -204,18 +204,43 @@ def finish_views(
     return backend_of(views).finish(views, transforms, device, memory_format)
 
 
-def prefetch(batches, move: Callable):
+def prefetch(batches, move: Callable, device: torch.device | None = None):
     """Yield ``move(batch)`` one batch ahead: the next batch's (non-blocking, pinned) copy to the
-    device is issued before the current batch is used, so it overlaps the current step."""
+    device, and what ``move`` computes there, is issued before the current batch is used.
+
+    On CUDA it runs on a stream of its own, so that it overlaps the current step: on the step's
+    stream a copy, however non-blocking for the host, waits for the kernels queued before it and
+    delays those after it (an H200 spent 3 to 7 ms a step so, at 224 px and batch 128). The step
+    waits for the batch on the device, not on the host (the same pattern as timm's
+    PrefetchLoader)."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None
+
+    def issue(batch):
+        if side is None:
+            return move(batch), None
+        with torch.cuda.stream(side):
+            moved = move(batch)
+        return moved, side.record_event()
+
+    def ready(moved, done):
+        if done is not None:
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(done)
+            for leaf in torch.utils._pytree.tree_leaves(moved):
+                if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+                    leaf.record_stream(stream)  # made on the side stream, used and freed on this one
+        return moved
+
     iterator = iter(batches)
     try:
-        ahead = move(next(iterator))
+        ahead = issue(next(iterator))
     except StopIteration:
         return
     for batch in iterator:
-        current, ahead = ahead, move(batch)
-        yield current
-    yield ahead
+        current, ahead = ahead, issue(batch)
+        yield ready(*current)
+    yield ready(*ahead)
 
 
 # ------------------------------------------------------------------------- sampler and loader

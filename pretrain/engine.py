@@ -370,7 +370,7 @@ def train_one_epoch(run: Run, step: int, bar) -> int:
     set_loader_epoch(run.loader, *divmod(step, run.steps_per_epoch))
     # The wait for each batch (the epoch's loader start included) is charged to "data"; the step
     # and what follows it to their own laps (see train_one_step).
-    for images, labels, bad in prefetch(run.loader, partial(to_device, run)):
+    for images, labels, bad in prefetch(run.loader, partial(to_device, run), run.accelerator.device):
         run.laps.lap("data")
         run.bad_images.update(bad, run.n_local)
         row = train_one_step(run, step, images, labels)

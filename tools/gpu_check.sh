@@ -6,9 +6,12 @@
 #      torch.compile (python -m benchmarks.pretraining --device cuda), written to benchmarks/gpu.md;
 #   3. JPEGs decoded on the GPU (data.backend=device, nvJPEG): a run that trains, and the data path's
 #      images/s per core and on the GPU (python -m benchmarks.data --device cuda), the batched decode
-#      alone with TorchCodec's decoder and torchvision's (both, where TorchCodec is installed).
-# They run in the order 1, 3, 2 (the data path before the long compiled runs). Each runs on its own: a failed one is reported (with its log) in benchmarks/gpu.md and the
-# next one still runs, so one broken part does not cost the figures of the others.
+#      alone with TorchCodec's decoder and torchvision's (both, where TorchCodec is installed);
+#   4. the tests that need CUDA (tests/pretrain/test_step_gpu_ready.py, skipped on the CPU-only CI).
+# Sections (SECTIONS names): equivalence (1), tests (4), device (3), speed (2), run in that order (the
+# data path before the long compiled runs). Each runs on its own: a failed one is reported (with its
+# log) in benchmarks/gpu.md and the next one still runs, so one broken part does not cost the figures
+# of the others.
 # Usage: bash tools/gpu_check.sh            (after `make setup` with a CUDA build of torch)
 #        SECTIONS="speed" bash tools/gpu_check.sh   (some sections only: a short lease spends its
 #        minutes on what is still unmeasured; benchmarks/gpu.md then holds those sections alone)
@@ -40,6 +43,10 @@ else
   echo "one GPU: the 2-GPU equivalence needs two (skipped)" | tee "$WORK/equivalence.txt"
 fi
 }
+section_tests() {  # the tests that need CUDA (skipped on the CPU-only CI), with the step's other GPU-readiness tests
+$PY -m pytest -q -p no:cacheprovider tests/pretrain/test_step_gpu_ready.py -m "not slow" 2>&1 | tail -n 3 | tee "$WORK/tests.txt"
+grep -q " passed" "$WORK/tests.txt" && ! grep -q "failed" "$WORK/tests.txt"
+}
 section_speed() {
 local status=0
 RECIPES=${RECIPES:-tiny_mocov2,tiny_simclr}
@@ -61,7 +68,7 @@ echo "mocov2, data.backend=device: $(grep -c '"loss"' "$WORK/mocov2_device/metri
 $PY -m benchmarks.data --device cuda --runs 5 --out "$WORK/data_device.md" > /dev/null
 }
 failed=""
-SECTIONS=${SECTIONS:-equivalence device speed}  # the data path before the long compiled runs
+SECTIONS=${SECTIONS:-equivalence tests device speed}  # the data path before the long compiled runs
 for section in $SECTIONS; do
   echo "== $section"
   "section_$section" || { echo "error: section $section failed"; failed="$failed $section"; }
@@ -73,6 +80,7 @@ done
   echo
   [ -z "$failed" ] || { echo "Sections that failed (their logs are under $WORK):$failed."; echo; }
   if ran equivalence; then echo "## Equivalence"; echo; echo '```'; cat "$WORK/equivalence.txt" 2>/dev/null; echo '```'; fi
+  if ran tests; then echo; echo "## CUDA tests"; echo; echo '```'; cat "$WORK/tests.txt" 2>/dev/null; echo '```'; fi
   if ran speed; then
     for f in "$WORK"/bench_*.md; do [ -f "$f" ] || continue; echo; echo "## $(basename "$f" .md)"; tail -n +2 "$f"; done
   fi

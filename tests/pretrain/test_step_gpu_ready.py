@@ -275,6 +275,34 @@ def test_prefetch_moves_one_batch_ahead_in_order():
     assert list(prefetch([], move)) == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (tools/gpu_check.sh runs it)")
+def test_prefetch_on_its_own_stream_gives_the_batches_the_step_would_have_made():
+    """On CUDA the next batch is moved on a side stream while the step's stream is busy; the step
+    must see exactly what moving it on its own stream gives (the judge), batch after batch,
+    with the step's stream kept busy (a long matmul queued before each use)."""
+    from pretrain.data import prefetch
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        ([torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8, generator=gen).pin_memory() for _ in range(2)], i)
+        for i in range(5)
+    ]
+
+    def move(batch):
+        views, i = batch
+        return [v.to(device, non_blocking=True).float().div(255).mul(i + 1) for v in views], i
+
+    want = [move(b)[0] for b in batches]  # on the step's own stream
+    busy = torch.randn(4096, 4096, device=device)
+    seen = []
+    for views, i in prefetch(batches, move, device):
+        busy = busy @ busy / 64  # the step's stream is busy when the batch is used
+        assert all(torch.equal(g, w) for g, w in zip(views, want[i])), i
+        seen.append(i)
+    assert seen == [0, 1, 2, 3, 4]
+
+
 def test_engine_with_colour_on_device_trains_the_same_bits(synthetic_root, tmp_path):
     finals = []
     for flag in ("false", "true"):
