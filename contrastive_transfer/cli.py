@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -155,22 +156,26 @@ class OutputLock:
     @classmethod
     def _drop_in_child(cls) -> None:
         for fd in cls._held:
-            os.close(fd)  # the child's copy only: the parent still holds the lock
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the child's copy only: the parent still holds the lock
         cls._held.clear()
 
     def __init__(self, directory: str | os.PathLike, what: str = "output directory"):
         self.directory, self.what = Path(directory), what
         self._fd: int | None = None
+        self._pid = os.getpid()
 
     def acquire(self) -> "OutputLock":
         import fcntl  # POSIX only; imported here so that the module imports everywhere
 
         ensure_writable_dir(self.directory, self.what)
         fd = os.open(self.directory / self.NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        OutputLock._held.add(fd)  # before the flock: a child forked from now on drops its copy
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown holder"
+            OutputLock._held.discard(fd)
             os.close(fd)
             raise UserError(
                 f"{self.what} {self.directory} is in use by another run ({holder}); wait for it "
@@ -180,14 +185,14 @@ class OutputLock:
         os.pwrite(
             fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0
         )
-        self._fd = fd
-        OutputLock._held.add(fd)
+        self._fd, self._pid = fd, os.getpid()
         return self
 
     def release(self) -> None:
         # The file stays: unlinking it would let a waiting process lock a file nobody else sees.
-        # in a forked child the number may name another file by now: only a held one is closed
-        if self._fd in OutputLock._held:
+        # Only the process that took the lock closes it: in a forked child the number may name
+        # another file by now (the child's own lock, say).
+        if self._fd is not None and self._pid == os.getpid():
             OutputLock._held.discard(self._fd)
             os.close(self._fd)  # closing the descriptor drops the flock
         self._fd = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -204,6 +204,19 @@ def finish_views(
     return backend_of(views).finish(views, transforms, device, memory_format)
 
 
+def tensors_in(obj) -> Iterator[torch.Tensor]:
+    """Every tensor in nested lists, tuples and dicts, their subclasses included (torch's pytree
+    takes a list subclass such as a batch's ``Views`` for a leaf, and would miss its tensors)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item)
+
+
 def prefetch(batches, move: Callable, device: torch.device | None = None):
     """Yield ``move(batch)`` one batch ahead: the next batch's (non-blocking, pinned) copy to the
     device, and what ``move`` computes there, is issued before the current batch is used.
@@ -227,9 +240,9 @@ def prefetch(batches, move: Callable, device: torch.device | None = None):
         if done is not None:
             stream = torch.cuda.current_stream(device)
             stream.wait_event(done)
-            for leaf in torch.utils._pytree.tree_leaves(moved):
-                if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-                    leaf.record_stream(stream)  # made on the side stream, used and freed on this one
+            for tensor in tensors_in(moved):
+                if tensor.is_cuda:
+                    tensor.record_stream(stream)  # made on the side stream, used and freed on this one
         return moved
 
     iterator = iter(batches)

@@ -138,6 +138,11 @@ def decode_views(
     jpegs = [i for i, d in enumerate(batch.data) if d.dim() == 1]
     images: list[torch.Tensor] = [d.to(device, non_blocking=True) if d.dim() == 3 else d for d in batch.data]
     if jpegs:  # one batched call: nvJPEG decodes the batch together
+        if device.type == "cuda":
+            # torchvision's CUDA decoder allocates its outputs on the current stream but decodes on
+            # a stream of its own that does not wait for it: a block freed by kernels still queued
+            # here could be written under them (pytorch/vision#9606). Nothing may be in flight.
+            torch.cuda.current_stream(device).synchronize()
         decode = jpeg_decoders()[decoder or JPEG_DECODER]
         decoded = decode([batch.data[i] for i in jpegs], device)
         for i, image in zip(jpegs, decoded):

@@ -111,8 +111,8 @@ def test_a_killed_run_does_not_leave_its_lock_to_its_forked_workers(how, tmp_pat
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
-    worker = int(holder.stdout.readline())
     try:
+        worker = int(holder.stdout.readline())
         holder.send_signal(signal.SIGKILL)
         holder.wait()
         os.kill(worker, 0)  # the worker is alive
@@ -125,7 +125,35 @@ def test_a_killed_run_does_not_leave_its_lock_to_its_forked_workers(how, tmp_pat
                 time.sleep(0.05)
         assert got is (how == "OutputLock"), how
     finally:
+        holder.kill()
         os.kill(worker, signal.SIGKILL)
+
+
+def test_a_forked_child_releasing_its_copy_does_not_close_the_childs_own_lock(tmp_path):
+    """A child inherits the parent's OutputLock object; its descriptor number is free in the child
+    (dropped at the fork) and the child's own lock can get it. Releasing the inherited object there
+    must leave the child's lock alone. The control closes that number as an unguarded release did."""
+    parent = OutputLock(tmp_path / "a").acquire()
+    try:
+        for control in (True, False):
+            pid = os.fork()
+            if pid == 0:  # the child: exit 0 when its own lock survives
+                code = 2
+                try:
+                    own = OutputLock(tmp_path / "b").acquire()
+                    os.close(parent._fd) if control else parent.release()
+                    try:
+                        OutputLock(tmp_path / "b").acquire()
+                        code = 1  # the lock was gone
+                    except UserError:
+                        code = 0
+                    own.release()
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == (1 if control else 0), control
+    finally:
+        parent.release()
 
 
 def test_atomic_write_leaves_no_partial_file_and_stale_temporaries_are_removed(tmp_path):

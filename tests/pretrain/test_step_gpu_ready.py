@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -275,11 +276,27 @@ def test_prefetch_moves_one_batch_ahead_in_order():
     assert list(prefetch([], move)) == []
 
 
+def test_prefetch_finds_every_tensor_of_a_batch_for_its_stream_bookkeeping():
+    """The tensors ``prefetch`` marks as used on the step's stream: all of them, also inside a
+    batch's ``Views`` (a list subclass, which torch's pytree takes for one leaf: the control)."""
+    import torch.utils._pytree as pytree
+
+    from pretrain.data import tensors_in
+    from pretrain.data_backends import Views
+
+    a, b, c, d = (torch.full((2,), float(i)) for i in range(4))
+    batch = (Views([a, (b, c)], "fast"), {"labels": d}, ["bad.jpg"], None)
+    assert [t is x for t, x in zip(tensors_in(batch), (a, b, c, d))] == [True] * 4
+    assert len(list(tensors_in(batch))) == 4
+    assert sum(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(batch)) == 1  # the control
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (tools/gpu_check.sh runs it)")
 def test_prefetch_on_its_own_stream_gives_the_batches_the_step_would_have_made():
-    """On CUDA the next batch is moved on a side stream while the step's stream is busy; the step
-    must see exactly what moving it on its own stream gives (the judge), batch after batch,
-    with the step's stream kept busy (a long matmul queued before each use)."""
+    """On CUDA the next batch is moved on a side stream; the step must see exactly what moving it
+    on its own stream gives (the judge), batch after batch. Each move is held back on the side
+    stream (a GPU sleep before its copy), so a step that read the batch without waiting for it on
+    the device would read it unwritten."""
     from pretrain.data import prefetch
 
     device = torch.device("cuda")
@@ -289,15 +306,16 @@ def test_prefetch_on_its_own_stream_gives_the_batches_the_step_would_have_made()
         for i in range(5)
     ]
 
-    def move(batch):
+    def move(batch, hold=False):
         views, i = batch
+        if hold:
+            torch.cuda._sleep(10**8)  # ~50 ms of GPU clock cycles on the stream move runs on
         return [v.to(device, non_blocking=True).float().div(255).mul(i + 1) for v in views], i
 
     want = [move(b)[0] for b in batches]  # on the step's own stream
-    busy = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()
     seen = []
-    for views, i in prefetch(batches, move, device):
-        busy = busy @ busy / 64  # the step's stream is busy when the batch is used
+    for views, i in prefetch(batches, partial(move, hold=True), device):
         assert all(torch.equal(g, w) for g, w in zip(views, want[i])), i
         seen.append(i)
     assert seen == [0, 1, 2, 3, 4]
