@@ -33,21 +33,30 @@ FLAG = "--i-trust-this-file"
 _SCALARS = (str, int, float, bool, bytes, type(None))
 
 
+def _saved_by_torch(path: Path) -> bool:
+    """A file in one of torch.save's formats, whatever its name: a zip by its first bytes, or the
+    legacy format by the number its first pickle holds (read with torch's restricted unpickler;
+    a plain pickle holds the object itself there)."""
+    from torch import _weights_only_unpickler as weights_only
+
+    with open(path, "rb") as f:
+        if is_torch_zip(f):
+            return True
+        try:
+            return weights_only.load(f, encoding="utf-8") == torch.serialization.MAGIC_NUMBER
+        except Exception:  # anything the restricted unpickler refuses or cannot read: not torch's
+            return False
+
+
 def _trusted_load(path: Path) -> Any:
     """The one unrestricted unpickling of the project (see the module docstring)."""
-    with open(path, "rb") as f:
-        torch_zip = is_torch_zip(f)
-    if torch_zip or path.suffix in (".pth", ".pt", ".tar", ".pyth"):
+    if _saved_by_torch(path) or path.suffix in (".pth", ".pt", ".tar", ".pyth"):
         try:
             return torch.load(path, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
         except pickle.UnpicklingError:
             pass  # a plain pickle named .pth: read it as one below
     with open(path, "rb") as f:
-        obj = pickle.load(f, encoding="latin1")  # noqa: S301 - the opt-in
-    if type(obj) is int and obj == torch.serialization.MAGIC_NUMBER:
-        # torch.save's legacy format under another name: this number is only its first pickle
-        return torch.load(path, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
-    return obj
+        return pickle.load(f, encoding="latin1")  # noqa: S301 - the opt-in
 
 
 def plain(obj: Any, where: str, dropped: list[str], numpy_out: bool = False) -> Any:
