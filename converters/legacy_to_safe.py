@@ -28,6 +28,7 @@ import torch
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError, atomic_write, command
 from contrastive_transfer.safe_load import is_torch_zip, load_pickle, torch_load
+from contrastive_transfer.untrusted import open_untrusted
 
 FLAG = "--i-trust-this-file"
 _SCALARS = (str, int, float, bool, bytes, type(None))
@@ -39,7 +40,7 @@ def _saved_by_torch(path: Path) -> bool:
     a plain pickle holds the object itself there)."""
     from torch import _weights_only_unpickler as weights_only
 
-    with open(path, "rb") as f:
+    with open_untrusted(path, "weights") as f:  # the gate, as for every input: no special file
         if is_torch_zip(f):
             return True
         try:
