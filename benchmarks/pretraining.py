@@ -107,8 +107,11 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     # (fp16 without the engine's loss scaling: a timing, whose gradients nobody reads)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
 
+    def engine_precision():
+        return torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None)
+
     def bare_step():
-        with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
+        with engine_precision():
             loss = method(views)["loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -119,7 +122,7 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     backbone = method.backbone
 
     def backbone_step():  # in the engine's precision too, like bare_step
-        with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
+        with engine_precision():
             loss = sum(backbone(v).float().pow(2).mean() for v in views)
         loss.backward()
         sync()
