@@ -10,15 +10,18 @@ This is the only place in the project that does so, and only with ``--i-trust-th
 
 What is kept: tensors, numpy arrays (as tensors; in a ``.pkl`` output as arrays), numbers, strings,
 bytes, None and dicts/lists/tuples of them; an ``argparse.Namespace`` (MoCo's ``args``) becomes a
-dict. Anything else is dropped and listed. OUT's suffix picks the format: ``.pth`` (torch.save,
-loads with ``weights_only=True``), ``.pkl`` (detectron2 weights for the restricted unpickler) or
-``.safetensors`` (the tensors only, under dotted names). The written file is read back through the
-safe loader before the command succeeds.
+dict. Anything else is dropped and listed, and so are quantized and sparse tensors (no reader
+takes them). OUT's suffix picks the format: ``.pth`` (torch.save, loads with ``weights_only=True``),
+``.pkl`` (detectron2 weights for the restricted unpickler) or ``.safetensors`` (the tensors only,
+under dotted names). A tensor whose dtype the format lacks (numpy has no bfloat16 or float8) is
+widened to float32 or complex64, which hold its values exactly, and listed. The written file is read
+back through the safe loader before it takes OUT's name.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import pickle
 from pathlib import Path
 from typing import Any
@@ -60,19 +63,23 @@ def _trusted_load(path: Path) -> Any:
         return pickle.load(f, encoding="latin1")  # noqa: S301 - the opt-in
 
 
-def plain(obj: Any, where: str, dropped: list[str], numpy_out: bool = False) -> Any:
-    """``obj`` as data only (see the module docstring); what is not data is listed in ``dropped``."""
+def plain(obj: Any, where: str, dropped: list[str], out: str = ".pth", widened: list[str] | None = None) -> Any:
+    """``obj`` as data only, in what OUT's format (its suffix ``out``) stores (see the module
+    docstring); what is not data is listed in ``dropped``, a tensor widened to a dtype the format
+    holds (exactly) in ``widened``. Tensors become numpy arrays for a ``.pkl``."""
     if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided or obj.is_meta:
-            dropped.append(f"{where} ({obj.layout} tensor)")
+        if obj.layout != torch.strided or obj.is_meta or obj.is_quantized:
+            # no reader of the project takes these (a quantized tensor is rebuilt from a size the
+            # file states, which the safe loader refuses), so the written file would not load back
+            dropped.append(f"{where} ({'quantized' if obj.is_quantized else obj.layout} tensor)")
             return None
-        t = obj.detach().cpu()
-        return t.numpy() if numpy_out else t
+        t = _stored_as(obj.detach().cpu(), out, where, dropped, widened)
+        return t.numpy() if t is not None and out == ".pkl" else t
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in "biufc":
             dropped.append(f"{where} (numpy array of {obj.dtype})")
             return None
-        return obj if numpy_out else torch.from_numpy(np.ascontiguousarray(obj))
+        return obj if out == ".pkl" else torch.from_numpy(np.ascontiguousarray(obj))
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, _SCALARS):
@@ -80,20 +87,51 @@ def plain(obj: Any, where: str, dropped: list[str], numpy_out: bool = False) -> 
     if isinstance(obj, argparse.Namespace):
         obj = vars(obj)
     if isinstance(obj, dict):
-        out = {}
+        result = {}
         for k, v in obj.items():
             if not isinstance(k, (str, int)):
                 dropped.append(f"{where}[{k!r}] (key of type {type(k).__name__})")
                 continue
-            value = plain(v, f"{where}.{k}" if where else str(k), dropped, numpy_out)
+            value = plain(v, f"{where}.{k}" if where else str(k), dropped, out, widened)
             if value is not None or v is None:
-                out[k] = value
-        return out
+                result[k] = value
+        return result
     if isinstance(obj, (list, tuple)):
-        items = [plain(v, f"{where}[{i}]", dropped, numpy_out) for i, v in enumerate(obj)]
+        items = [plain(v, f"{where}[{i}]", dropped, out, widened) for i, v in enumerate(obj)]
         return type(obj)(items) if type(obj) in (list, tuple) else list(items)
     dropped.append(f"{where or 'the file'} ({type(obj).__module__}.{type(obj).__qualname__})")
     return None
+
+
+def _stored_as(t: torch.Tensor, out: str, where: str, dropped: list[str], widened: list[str] | None):
+    """``t`` in a dtype OUT's format holds: its own, else float32 / complex64 for a narrower float
+    (bfloat16, the float8s, complex32: every value exactly), else None (listed as dropped)."""
+    if _holds(out, t.dtype):
+        return t
+    wider = torch.float32 if t.is_floating_point() else torch.complex64 if t.is_complex() else None
+    if wider is not None and t.dtype.itemsize < wider.itemsize and _holds(out, wider):  # never narrower
+        if widened is not None:
+            widened.append(f"{where} ({t.dtype})")
+        return t.to(wider)
+    dropped.append(f"{where} ({t.dtype}: no {out} dtype holds it)")
+    return None
+
+
+@functools.cache
+def _holds(out: str, dtype: torch.dtype) -> bool:
+    """Whether OUT's format stores ``dtype`` as it is. Probed on an empty tensor rather than
+    listed: numpy's and safetensors' dtypes grow with their versions. torch.save holds them all."""
+    empty = torch.empty(0, dtype=dtype)
+    try:
+        if out == ".pkl":
+            empty.numpy()
+        elif out == ".safetensors":
+            from safetensors.torch import save
+
+            save({"probe": empty})
+    except (TypeError, KeyError, ValueError):  # how numpy and safetensors say "no such dtype"
+        return False
+    return True
 
 
 def _flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -107,25 +145,40 @@ def _flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def _write(data: Any, out: Path) -> None:
+    """``data`` to ``out`` in its suffix's format, read back by the project's own reader before it
+    takes OUT's name: a file that would not load is never left there."""
     if out.suffix == ".pkl":
         payload = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
 
         def write(tmp: Path) -> None:
             tmp.write_bytes(payload)
+            load_pickle(tmp)
 
-        atomic_write(out, write)
-        load_pickle(out)
     elif out.suffix == ".safetensors":
         from safetensors.torch import load_file, save_file
 
         tensors = _flat_tensors(data)
         if not tensors:
             raise UserError(f"{out}: the file holds no tensors to write as safetensors; use a .pth output")
-        atomic_write(out, lambda tmp: save_file(tensors, str(tmp)))
-        load_file(out)
+
+        def write(tmp: Path) -> None:
+            save_file(tensors, str(tmp))
+            load_file(tmp)
+
     else:
-        atomic_write(out, lambda tmp: torch.save(data, tmp))
-        torch_load(out)  # proves the promise: the new file loads weights-only
+
+        def write(tmp: Path) -> None:
+            torch.save(data, tmp)
+            torch_load(tmp)  # proves the promise: the new file loads weights-only
+
+    try:
+        atomic_write(out, write)
+    except UserError as e:
+        raise UserError(f"{out}: not written, the converted file does not load back ({e})") from None
+
+
+def _first(names: list[str]) -> str:
+    return "; ".join(names[:4]) + (" ..." if len(names) > 4 else "")
 
 
 @command
@@ -152,10 +205,12 @@ def main(argv: list[str]) -> None:
     except Exception as e:  # the file is trusted but may still be damaged
         raise UserError(f"{src}: cannot be unpickled ({type(e).__name__}: {e}); check the file") from None
     dropped: list[str] = []
-    data = plain(loaded, "", dropped, numpy_out=out.suffix == ".pkl")
+    widened: list[str] = []
+    data = plain(loaded, "", dropped, out.suffix, widened)
     _write(data, out)
-    shown = "; ".join(dropped[:4]) + (" ..." if len(dropped) > 4 else "")
-    note = f"; dropped {len(dropped)} non-data objects: {shown}" if dropped else ""
+    note = f"; dropped {len(dropped)} objects: {_first(dropped)}" if dropped else ""
+    if widened:  # every value kept exactly, in a dtype OUT's format has
+        note += f"; widened {len(widened)} tensors to float32 or complex64: {_first(widened)}"
     print(f"wrote {out} (loads without running code){note}")
 
 
