@@ -253,9 +253,16 @@ def tensor_problem(value: Any, integer_ok: bool = False) -> str | None:
     problem = _view_problem(value)
     if problem is not None:
         return problem
-    if not value.is_floating_point() or bool(torch.isfinite(value).all()):
+    if not value.is_floating_point():
         return None
-    return _non_finite(int((~torch.isfinite(value)).sum()), value.numel())
+    try:
+        finite = torch.isfinite(value)
+    except (NotImplementedError, RuntimeError):  # the float8s have no isfinite: float32 holds them exactly
+        try:
+            finite = torch.isfinite(value.float())
+        except (NotImplementedError, RuntimeError):
+            return f"has dtype {value.dtype}, which torch cannot compute with; expected float32, float16 or bfloat16"
+    return None if bool(finite.all()) else _non_finite(int((~finite).sum()), value.numel())
 
 
 def _repeats(shape: Any, strides: Any) -> bool:
