@@ -73,13 +73,17 @@ def plain(obj: Any, where: str, dropped: list[str], out: str = ".pth", widened: 
             # file states, which the safe loader refuses), so the written file would not load back
             dropped.append(f"{where} ({'quantized' if obj.is_quantized else obj.layout} tensor)")
             return None
-        t = _stored_as(obj.detach().cpu(), out, where, dropped, widened)
+        # the conjugate and negative bits are flags, not stored values: numpy and safetensors take
+        # the stored ones (a conjugated 1-1j would be written as 1+1j)
+        t = _stored_as(obj.detach().cpu().resolve_conj().resolve_neg(), out, where, dropped, widened)
         return t.numpy() if t is not None and out == ".pkl" else t
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in "biufc":
             dropped.append(f"{where} (numpy array of {obj.dtype})")
             return None
-        return obj if out == ".pkl" else torch.from_numpy(np.ascontiguousarray(obj))
+        if out == ".pkl":
+            return obj
+        return _stored_as(torch.from_numpy(np.ascontiguousarray(obj)), out, where, dropped, widened)
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, _SCALARS):
@@ -110,9 +114,14 @@ def _stored_as(t: torch.Tensor, out: str, where: str, dropped: list[str], widene
         return t
     wider = torch.float32 if t.is_floating_point() else torch.complex64 if t.is_complex() else None
     if wider is not None and t.dtype.itemsize < wider.itemsize and _holds(out, wider):  # never narrower
-        if widened is not None:
-            widened.append(f"{where} ({t.dtype})")
-        return t.to(wider)
+        try:
+            wide = t.to(wider)
+        except NotImplementedError:  # e.g. float4_e2m1fn_x2, two values packed in a byte
+            pass
+        else:
+            if widened is not None:
+                widened.append(f"{where} ({t.dtype})")
+            return wide
     dropped.append(f"{where} ({t.dtype}: no {out} dtype holds it)")
     return None
 
@@ -134,14 +143,26 @@ def _holds(out: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def _flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj.contiguous()}
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_flat_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+def _flat_tensors(obj: Any) -> dict[str, torch.Tensor]:
+    """The tensors of nested dicts under dotted names, each with storage of its own: safetensors
+    refuses tensors that share memory (tied weights, views of one another)."""
+    flat = _flat_tensor_items(obj, "")
+    seen: set[int] = set()
+    out = {}
+    for name, t in flat:
+        t = t.contiguous()
+        shared = t.untyped_storage().data_ptr() in seen and t.numel() > 0
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t.clone() if shared else t
     return out
+
+
+def _flat_tensor_items(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if not isinstance(obj, dict):
+        return []
+    return [item for k, v in obj.items() for item in _flat_tensor_items(v, f"{prefix}.{k}" if prefix else str(k))]
 
 
 def _write(data: Any, out: Path) -> None:

@@ -274,79 +274,133 @@ def test_legacy_to_safe_converts_a_legacy_file_whatever_its_name(tmp_path):
         assert torch.equal(torch_load(out)["w"], torch.arange(4.0)), name
 
 
-def _a_tensor_of_every_dtype() -> dict[str, torch.Tensor]:
-    """Three values in each dtype torch defines, found by asking torch rather than listed, so that a
-    dtype a later torch adds is tested without an edit. Sub-byte and bit dtypes hold no values to
-    make or compare and are left out; quantized ones are made by quantizing."""
-    made = {}
-    for dtype in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+def _dtypes() -> list[torch.dtype]:
+    """Every dtype torch defines, found by asking torch rather than listed, so that a dtype a later
+    torch adds is tested without an edit."""
+    return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def _every_value_of(dtype: torch.dtype) -> torch.Tensor | None:
+    """Every bit pattern of a float or complex dtype of at most 2 bytes a part (NaNs, infinities,
+    subnormals, the packed float4 included); three values of a wider or integer one; quantized ones
+    by quantizing. None for the sub-byte integer and bit dtypes, which hold no values to compare."""
+    try:
+        if (dtype.is_floating_point or dtype.is_complex) and dtype.itemsize <= (4 if dtype.is_complex else 2):
+            bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+            return bits.view(torch.uint8).view(dtype) if dtype.itemsize == 1 else bits.view(dtype)
+        return torch.arange(3).to(dtype)
+    except (RuntimeError, TypeError):
         try:
-            t = torch.arange(3).to(dtype)
+            return torch.quantize_per_tensor(torch.arange(3.0), 0.5, 0, dtype)
         except (RuntimeError, TypeError):
-            try:
-                t = torch.quantize_per_tensor(torch.arange(3.0), 0.5, 0, dtype)
-            except (RuntimeError, TypeError):
-                continue
-        made[str(dtype).removeprefix("torch.")] = t
+            return None
+
+
+def _trusted_file_of_every_dtype() -> dict[str, object]:
+    """A tensor of every value of every dtype, and the forms a real file holds them in: a tensor
+    under two names (tied weights), a view into another's storage, a conjugated and a negated view
+    (flags torch keeps, not stored values) and a numpy array of a dtype safetensors lacks."""
+    made = {str(d).removeprefix("torch."): t for d in _dtypes() if (t := _every_value_of(d)) is not None}
+    made["tied"] = made["view_of_float32"] = made["float32"]
+    made["view_of_float32"] = made["float32"][1:]
+    made["conjugated"] = torch.tensor([1 - 1j, 2 + 3j]).conj()
+    made["negated"] = torch.tensor([1 + 2j, 3 - 4j]).conj().imag
+    made["numpy_complex128"] = np.array([1 + 2j, -3j])
     return made
 
 
+def _same_values(got: torch.Tensor, source: torch.Tensor, name: str) -> None:
+    """``got`` holds ``source``'s values exactly: the same bytes where the dtype was kept; where it
+    was widened (the same kind, more bytes), the same values compared in the widest dtype of the
+    kind (a conversion the converter does not make) and the same bytes after the way back, NaNs
+    aside (their payload may change)."""
+    got, source = got.contiguous(), source.resolve_conj().resolve_neg().contiguous()
+    if got.dtype == source.dtype:
+        assert torch.equal(got.view(torch.uint8), source.view(torch.uint8)) if got.numel() else True, name
+        return
+    assert got.dtype.itemsize > source.dtype.itemsize and got.is_complex() == source.is_complex(), name
+    wide = torch.complex128 if source.is_complex() else torch.float64
+    torch.testing.assert_close(got.to(wide), source.to(wide), rtol=0, atol=0, equal_nan=True, msg=name)
+    nan = torch.isnan(torch.view_as_real(source.to(wide)) if source.is_complex() else source.to(wide))
+    kept = ~(nan.any(-1) if source.is_complex() else nan)
+    as_bytes = lambda t: t.view(torch.uint8).view(t.numel(), -1)  # noqa: E731
+    assert torch.equal(as_bytes(got.to(source.dtype))[kept], as_bytes(source)[kept]), name
+
+
 @pytest.mark.parametrize("suffix", [".pth", ".pkl", ".safetensors"])
-def test_legacy_to_safe_keeps_every_dtype_exactly_or_names_what_it_drops(suffix, tmp_path, capsys):
-    """A trusted file with a tensor of every dtype: each comes out with its values, in its dtype or
-    a wider one of the same kind (the judge: torch's own conversion of the source), or is dropped
-    and counted on the command's line; only quantized tensors (no reader takes them) and complex128
-    in safetensors (which has no complex dtype that wide) may be. The output loads with the
-    project's reader. Before, bfloat16 or float8 to .pkl and complex32 to .safetensors ended in a
-    traceback, and a quantized tensor to .pth wrote a file its own read-back refused."""
+def test_legacy_to_safe_keeps_every_value_of_every_dtype_or_names_what_it_drops(suffix, tmp_path, capsys):
+    """A trusted file with every value of every dtype: each tensor comes out with its values (in
+    its dtype or a wider one of its kind) or is dropped and counted on the command's line, and only
+    where OUT's format cannot hold it: quantized tensors (no reader takes them), the packed float4
+    (no wider dtype torch converts it to) and complex128 in safetensors (no complex dtype that
+    wide). The output loads with the project's reader. Before: bfloat16 or float8 to .pkl and
+    complex32 to .safetensors ended in a traceback, a quantized tensor to .pth wrote a file its own
+    read-back refused, tied tensors failed in safetensors, and a conjugated view was written
+    conjugated back (1-1j as 1+1j)."""
     from safetensors.torch import load_file
 
     from contrastive_transfer.safe_load import load_pickle, torch_load
     from converters import legacy_to_safe
 
-    tensors = _a_tensor_of_every_dtype()
+    tensors = _trusted_file_of_every_dtype()
     assert {"float32", "bfloat16", "float8_e4m3fn", "complex32", "qint8", "uint16"} <= set(tensors)  # the hard ones
     torch.save(tensors, tmp_path / "trusted.pth")
     out = tmp_path / f"safe{suffix}"
     legacy_to_safe.main([str(tmp_path / "trusted.pth"), str(out), "--i-trust-this-file"])
     line = capsys.readouterr().out
     read = {".pth": torch_load, ".pkl": load_pickle, ".safetensors": load_file}[suffix](out)
-    missing = sorted(set(tensors) - set(read))
-    may_drop = {n for n, t in tensors.items() if t.is_quantized or (suffix == ".safetensors" and n == "complex128")}
-    assert set(missing) <= may_drop, missing
+    missing = set(tensors) - set(read)
+    may_drop = {n for n, t in tensors.items() if getattr(t, "is_quantized", False) or n.startswith("float4")}
+    may_drop |= {"complex128", "numpy_complex128"} if suffix == ".safetensors" else set()
+    assert missing <= may_drop, missing
     assert (f"dropped {len(missing)} objects" in line) == bool(missing), line
+    assert ("widened" in line) == (suffix != ".pth"), line  # numpy lacks bfloat16, safetensors complex32
     for name in set(read):
-        got, source = torch.as_tensor(read[name]), tensors[name]
-        assert (got.is_floating_point(), got.is_complex()) == (source.is_floating_point(), source.is_complex()), name
-        assert got.dtype.itemsize >= source.dtype.itemsize, name
-        torch.testing.assert_close(got, source.to(got.dtype), rtol=0, atol=0, equal_nan=True, msg=name)
+        source = tensors[name]
+        source = torch.from_numpy(source) if isinstance(source, np.ndarray) else source
+        _same_values(torch.as_tensor(read[name]), source, name)
 
 
-FLOAT_DTYPES = sorted(n for n, t in _a_tensor_of_every_dtype().items() if t.is_floating_point() and not t.is_quantized)
+FLOAT_DTYPES = [str(d).removeprefix("torch.") for d in _dtypes() if d.is_floating_point]
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_weights_of_every_float_dtype_convert_exactly_or_get_one_line(dtype, tmp_path):
-    """Weights in any floating dtype torch defines (float8s included), through both converters:
-    either the written backbone, read back by the project's reader, holds what a float32
-    torchvision ResNet-18 holds after ``load_state_dict`` of the source (the judge: torch's own
-    copy into the model), or the command ends in one line naming the file. Never a traceback.
-    Before, a float8 checkpoint ended in a traceback (torch has no isfinite for the float8s)."""
+def test_weights_of_every_float_dtype_convert_exactly_or_get_one_line(dtype, tmp_path, capsys):
+    """Weights in any floating dtype torch defines (float8s and the packed float4 included),
+    through both converters: either the written backbone, read back by the project's reader, holds
+    what a float32 torchvision ResNet-18 holds after ``load_state_dict`` of the source (the judge:
+    torch's own copy into the model), or the command exits 1 after one line naming the file. A
+    NaN in the same weights is that one line. Never a traceback. Before, a float8 checkpoint ended
+    in a traceback (torch has no isfinite for the float8s)."""
     import torchvision
 
     from converters import to_detectron2, to_torchvision
     from converters.checkpoint_io import load_backbone
 
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None).state_dict()
-    sd = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in model.items() if "fc." not in k}
+    model = {k: v for k, v in torchvision.models.resnet18(weights=None).state_dict().items() if "fc." not in k}
+    kind = getattr(torch, dtype)
+    try:
+        sd = {k: v.to(kind) if v.is_floating_point() else v for k, v in model.items()}
+        every = _every_value_of(kind)
+        nan = every[torch.isnan(every.float())][:1] if every.dtype.itemsize < 4 else torch.tensor([float("nan")])
+        conv1 = torch.cat([nan.to(kind), sd["conv1.weight"].flatten()[1:]]).view(sd["conv1.weight"].shape)
+        torch.save({**sd, "conv1.weight": conv1}, tmp_path / "nan.pth")
+    except NotImplementedError:  # a packed dtype (two float4 in a byte): weights made of bytes, no NaN
+        sd = {
+            k: torch.zeros_like(v, dtype=torch.uint8).view(kind) if v.is_floating_point() else v
+            for k, v in model.items()
+        }
     torch.save(sd, tmp_path / "w.pth")
     for module, out in [(to_detectron2, tmp_path / "d2.pkl"), (to_torchvision, tmp_path / "tv.safetensors")]:
-        try:
-            module.main([str(tmp_path / "w.pth"), str(out)])
-        except SystemExit as e:
-            assert isinstance(e.code, str) and "\n" not in e.code.strip() and str(tmp_path / "w.pth") in e.code, e.code
-            assert dtype not in ("float32", "float16", "bfloat16"), e.code  # the control: these must convert
+        if (tmp_path / "nan.pth").exists():
+            assert module.main([str(tmp_path / "nan.pth"), str(out)]) == 1
+            error = capsys.readouterr().err.strip()
+            assert "\n" not in error and str(tmp_path / "nan.pth") in error and "non-finite" in error, error
+        if module.main([str(tmp_path / "w.pth"), str(out)]) == 1:
+            error = capsys.readouterr().err.strip()
+            assert "\n" not in error and str(tmp_path / "w.pth") in error, error
+            assert dtype not in ("float32", "float16", "bfloat16", "float64"), error  # the control: these convert
             continue
         got = load_backbone(out).state_dict
         judge = torchvision.models.resnet18(weights=None)
