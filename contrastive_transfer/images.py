@@ -26,17 +26,25 @@ DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.Decompression
 
 
 @contextmanager
+def decoding(path: str | os.PathLike) -> Iterator[None]:
+    """What a decoder raises for ``path`` (one of DECODE_ERRORS) as the one-line OSError ``cannot
+    read image PATH: reason``: Pillow's own errors do not name the file (an EPS without
+    Ghostscript: "Unable to locate Ghostscript on paths")."""
+    try:
+        yield
+    except DECODE_ERRORS as e:
+        reason = e.reason if isinstance(e, UnsafeFileError) else " ".join(str(e).split()) or type(e).__name__
+        raise OSError(f"cannot read image {path}: {reason}") from None
+
+
+@contextmanager
 def _opened(path: str | os.PathLike) -> Iterator[Image.Image]:
     """The image opened through the gate, its pixel count checked from the header (nothing is
     decoded yet); whatever fails here or in the caller's decoding is OSError ``cannot read image
     PATH: reason`` (one line)."""
-    try:
-        with open_untrusted(path, "image") as f, Image.open(f) as im:
-            check_pixels(im.width, im.height)
-            yield im
-    except DECODE_ERRORS as e:
-        reason = e.reason if isinstance(e, UnsafeFileError) else " ".join(str(e).split()) or type(e).__name__
-        raise OSError(f"cannot read image {path}: {reason}") from None
+    with decoding(path), open_untrusted(path, "image") as f, Image.open(f) as im:
+        check_pixels(im.width, im.height)
+        yield im
 
 
 def open_rgb(path: str | os.PathLike) -> Image.Image:

@@ -17,7 +17,7 @@ from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
 from contrastive_transfer.cli import UserError
-from contrastive_transfer.images import check_image
+from contrastive_transfer.images import check_image, decoding
 from contrastive_transfer.preempt import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, Preempted, PreemptSignals
 from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
 
@@ -139,7 +139,8 @@ class ImageCheckingMapper(DatasetMapper):
 
     def __call__(self, dataset_dict):
         check_image(dataset_dict["file_name"])
-        return super().__call__(dataset_dict)
+        with decoding(dataset_dict["file_name"]):  # detectron2's decode fails without naming the file
+            return super().__call__(dataset_dict)
 
 
 class Trainer(DefaultTrainer):
