@@ -291,7 +291,9 @@ def intro(table: Table, args) -> str:
         f"linear probe (10 epochs) and the FPN fine-tune on {detection} ({iters} iterations of 2 images at "
         f"96 px on the frozen backbone, `configs/detection/{DETECTION_CONFIG.name}`, lr × 0.1 at 80 %) are "
         f"mean ± sample std over {args.seeds} seeds of the fine-tune. Gain: over random init; ✓ where it exceeds "
-        f"twice its standard error. Machine: {cpu_name()}, {os.cpu_count()} cores; other jobs may have shared it "
+        "twice its standard error over the fine-tune seeds (kNN and SVM have none: any gain of the one backbone "
+        "is marked, and their spread over pretraining seeds is the learning table's). "
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores; other jobs may have shared it "
         "(each row's JSON under --work has the load average when it ended), which moves times, not figures."
     )
 
@@ -393,19 +395,22 @@ def _chart(rows: dict[str, dict], path: Path, table: Table = SMALL) -> None:
 
     names = [r for r in table.rows if r in rows]
     curves = {r: rows[r]["curve"] for r in rows if "curve" in rows[r]}
-    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(14 if curves else 9, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(15 if curves else 11, 4.5), squeeze=False)
     ax = axes[0][0]
     width = 0.8 / max(len(names), 1)
+    # one colour per row (the default cycle repeats after 10 of the digits table's 17); random in black
+    colours = iter(plt.get_cmap("tab20").colors)
     for i, row in enumerate(names):
         means, stds = zip(*(mean_std(rows[row]["values"][m]) for m in METRICS))
         xs = [j + i * width for j in range(len(METRICS))]
-        ax.bar(xs, means, width, yerr=[s or 0.0 for s in stds], capsize=2, label=row.replace("tiny_", ""))
+        colour = "black" if row == "random" else next(colours)
+        ax.bar(xs, means, width, yerr=[s or 0.0 for s in stds], capsize=2, color=colour, label=row.replace("tiny_", ""))
     ax.set_xticks(
         [j + 0.4 - width / 2 for j in range(len(METRICS))], [LABELS[m].replace(" ", "\n", 1) for m in METRICS]
     )
     ax.set_ylabel("score (error bars: std over seeds)")
     ax.set_title("Transfer after the same pretraining budget")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
     if curves:
         ax = axes[0][1]
         for row, curve in curves.items():
