@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,21 @@ def test_workers_that_die_of_the_signal_stop_the_run_before_it_saves(synthetic_r
     assert not (tmp_path / LAST_NAME).exists()
 
 
+def wait_for_sigterm_disposition(pid: int, field: str, timeout: float = 60.0) -> None:
+    """Until process ``pid`` ignores (``SigIgn``) or catches (``SigCgt``) SIGTERM, from the signal
+    masks Linux shows in /proc/PID/status."""
+    bit = 1 << (signal.SIGTERM - 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        masks = dict(
+            line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line
+        )
+        if int(masks[field], 16) & bit:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"worker {pid}: SIGTERM not in {field} after {timeout} s")
+
+
 def signal_in_knn_monitor(monkeypatch, defended: bool) -> list[set[int]]:
     """Send SIGTERM to this process and its DataLoader workers once, after the kNN monitor's first
     batch (from `kill`, as a cluster's signal comes); returns [the monitor's workers]. Undefended,
@@ -234,6 +250,10 @@ def signal_in_knn_monitor(monkeypatch, defended: bool) -> list[set[int]]:
             if not sent:
                 workers = {c.pid for c in multiprocessing.active_children()}
                 sent.append(workers - before)
+                # every worker past its start: torch's SIGTERM handler, then ours, are set only once a
+                # worker runs, and the first batch may come before the second worker gets there
+                for pid in workers - before:
+                    wait_for_sigterm_disposition(pid, "SigIgn" if defended else "SigCgt")
                 subprocess.run(["kill", "-s", "TERM", *map(str, workers), str(os.getpid())], check=True)
             yield first
             yield from batches
