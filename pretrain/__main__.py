@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved config as the run saves it in config.yaml (YAML, loadable as a recipe) and exit",
+        help="print the resolved config as the run saves it in config.yaml (YAML, loadable as a recipe), then "
+        "as comments what the run resolves from it on this machine (every view as built, the scaled lr, "
+        "the automatic settings), and exit",
     )
     args = p.parse_args(argv)
     if not args.print_config:
@@ -108,9 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     precision, note = resolve_mixed_precision(cfg)
     cfg.train.mixed_precision = precision  # what runs: in config.yaml, the checkpoints and --print-config
     if args.print_config:
-        from omegaconf import OmegaConf
+        from pretrain.resolved import config_text, run_device
 
-        print(OmegaConf.to_yaml(cfg), end="")  # as the run writes config.yaml
+        print(config_text(cfg, run_device(cfg), num_processes), end="")  # as the run writes config.yaml
         return
 
     from datetime import timedelta

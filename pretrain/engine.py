@@ -20,7 +20,6 @@ from typing import IO, Any, NoReturn
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write, json_line, remove_stale_temporaries
@@ -55,6 +54,7 @@ from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
 from pretrain.models import Encoder, convert_sync_batchnorm
 from pretrain.optim import build_optimizer, lr_at
+from pretrain.resolved import automatic, config_text
 
 FILE_INDEX_NAME = "file_index.npz"  # the dataset's images as this run reads them (pretrain.data.shared_index)
 
@@ -163,13 +163,8 @@ def gpu_settings(cfg, method: torch.nn.Module, device: torch.device) -> SpeedSet
     with AMP; on CPU it is rarely faster. Compilation covers the encoders only (the losses gather
     across processes, which graphs would break on) and keeps parameter names, so checkpoints are
     the same with or without it."""
-    cuda = device.type == "cuda"
-    t = cfg.train
-    speed = SpeedSettings(
-        cuda if t.channels_last is None else t.channels_last,
-        cuda if t.cudnn_benchmark is None else t.cudnn_benchmark,
-        bool(t.compile),
-    )
+    chosen = automatic(cfg, device)  # what config.yaml says under the config
+    speed = SpeedSettings(chosen["train.channels_last"], chosen["train.cudnn_benchmark"], chosen["train.compile"])
     torch.backends.cudnn.benchmark = speed.cudnn_benchmark
     if speed.channels_last:
         method.to(memory_format=torch.channels_last)
@@ -325,9 +320,12 @@ def setup(cfg, accelerator: Accelerator, preempt: PreemptSignals) -> Run:
 
 
 def describe(cfg, accelerator: Accelerator, n_local: int) -> None:
-    """config.yaml, and the config and setup printed: a log says what ran."""
-    atomic_write(Path(cfg.train.output_dir) / "config.yaml", lambda tmp: tmp.write_text(OmegaConf.to_yaml(cfg)))
-    accelerator.print(OmegaConf.to_yaml(cfg))
+    """config.yaml (the config, then what the run resolves from it on this machine: the views it
+    builds, the scaled lr, the automatic settings; what --print-config prints), printed too: a log
+    says what ran."""
+    text = config_text(cfg, accelerator.device, accelerator.num_processes)
+    atomic_write(Path(cfg.train.output_dir) / "config.yaml", lambda tmp: tmp.write_text(text))
+    accelerator.print(text)
     accelerator.print(
         f"git {git_sha()} | {accelerator.num_processes} process(es) on {accelerator.device} | batch "
         f"{cfg.train.batch_size} global = {n_local} per process | lr {scaled_lr(cfg):.4g} "
@@ -339,7 +337,7 @@ def describe(cfg, accelerator: Accelerator, n_local: int) -> None:
 def build_data(cfg, accelerator: Accelerator, method, n_local: int) -> DataLoader:
     views = method.view_transforms(cfg)  # two views of data.augmentation, or the method's own (multi-crop)
     device = accelerator.device
-    colour_on_device = device.type == "cuda" if cfg.data.colour_on_device is None else cfg.data.colour_on_device
+    colour_on_device = automatic(cfg, device)["data.colour_on_device"]
     saved = Path(cfg.train.output_dir) / FILE_INDEX_NAME
     index = shared_index(cfg.data.root, saved, accelerator.is_main_process, fresh=cfg.train.resume == "none")
     dataset = ImageDataset(
@@ -353,7 +351,7 @@ def build_data(cfg, accelerator: Accelerator, method, n_local: int) -> DataLoade
         accelerator.process_index,
         cfg.train.seed,
         cfg.data.num_workers,
-        cfg.data.pin_memory and device.type == "cuda",
+        automatic(cfg, device)["data.pin_memory"],
     )
 
 
