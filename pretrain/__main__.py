@@ -12,7 +12,11 @@ import os
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError, command
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
+from pretrain.augment.views import PRESETS
 from pretrain.config import load_config
+from pretrain.data_backends import BACKENDS
+from pretrain.losses import LOSSES
+from pretrain.methods import METHODS
 
 
 def launched_processes() -> int:
@@ -83,6 +87,10 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             f"recipes (configs/pretrain/): {', '.join(recipes)}\n"
+            f"methods (method.name): {' | '.join(METHODS)}\n"
+            f"losses of an InfoNCE host (method.loss.name): {' | '.join(LOSSES)}\n"
+            f"augmentation presets (data.augmentation): {' | '.join(PRESETS)}\n"
+            f"data backends (data.backend): {' | '.join(BACKENDS)}\n"
             "keys and their defaults: pretrain/config.py (engine), each method's `defaults` in "
             "pretrain/methods/ and each loss's options (method.loss) in pretrain/losses/registry.py; "
             "docs/methods.md explains them.\n" + DEBUG_HELP
