@@ -41,7 +41,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "model": {"arch": "resnet50", "stem": "imagenet"},  # stem: imagenet | small (3×3/1 conv, no max-pool)
     "data": {
         "root": "datasets/imagenet/train",  # ImageFolder or a flat folder of images
-        "augmentation": "mocov2",  # a preset of configs/augment/ (views.PRESETS; `python -m pretrain --help` lists them)
+        "augmentation": "mocov2",  # a preset of configs/augment/ (`python -m pretrain --help` lists them)
         # null: the preset's views; a list replaces them; data.views.0.jitter.p=0.5 edits (docs/augmentation.md)
         "views": None,
         "image_size": 224,
