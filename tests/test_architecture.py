@@ -246,3 +246,12 @@ def test_methods_and_losses_cite_their_papers():
         if not cites_a_paper(ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))))
     ]
     assert paths and not missing, f"module docstrings without a citation (arXiv, DOI or 'No paper: why'): {missing}"
+
+
+def test_mypy_covers_the_methods_and_the_losses():
+    """`make lint` type-checks what a new method or loss touches (docs/extending.md): the files of
+    [tool.mypy] include both packages (mypy itself runs in `make lint`, a minute on two cores)."""
+    import tomllib
+
+    files = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]["files"]
+    assert {"pretrain/methods", "pretrain/losses"} <= set(files), files
