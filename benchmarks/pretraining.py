@@ -363,6 +363,18 @@ def _parser() -> argparse.ArgumentParser:
         help="config override for every recipe, e.g. train.channels_last=true (repeatable)",
     )
     parser.add_argument("--no-augmentation", action="store_true", help="skip the augmentation throughput part")
+    parser.add_argument(
+        "--host-reads",
+        action="store_true",
+        help="instead of timing: count the reads of tensor values per step that logs no row, on the CPU, for the "
+        "tiny recipe of every registered method (benchmarks/host_reads.py); exit 1 unless all are 0",
+    )
+    parser.add_argument(
+        "--optimizer-ops",
+        action="store_true",
+        help="instead of timing: the operators one optimizer step dispatches, per-tensor loop against ours, on "
+        "the CPU (benchmarks/optimizer_ops.py)",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: one recipe, JSON out
     return parser
 
@@ -424,12 +436,38 @@ def _bench_augmentations(args: argparse.Namespace) -> list[dict]:
     return aug
 
 
+def host_reads(args: argparse.Namespace, overrides: list[str]) -> None:
+    """The --host-reads table; every registered method must have a tiny recipe to be counted."""
+    from benchmarks.host_reads import count_reads, report
+    from pretrain.config import load_config
+    from pretrain.methods import METHODS
+
+    tiny = sorted(RECIPES_DIR.glob("tiny_*.yaml"))
+    recipes = [RECIPES_DIR / f"{r}.yaml" for r in args.recipes.split(",")] if args.recipes else tiny
+    uncovered = sorted(set(METHODS) - {load_config(p).method.name for p in tiny})
+    if uncovered:
+        sys.exit(f"error: no configs/pretrain/tiny_*.yaml trains {', '.join(uncovered)}: its reads cannot be counted")
+    results = []
+    for recipe in recipes:
+        results.append(count_reads(recipe, [o for o in overrides if not o.startswith("train.cpu=")]))
+        print(f"{recipe.stem}: {results[-1].reads_per_quiet_step:g} host reads per step without a row", flush=True)
+    print(report(results))
+    if any(r.reads_per_quiet_step for r in results):
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA device is visible")
     overrides = [f"data.root={args.data_root}", "data.num_workers=0", *args.set]
     overrides.append(device_override(args.device, torch.cuda.is_available()))
+    if args.host_reads:
+        return host_reads(args, overrides)
+    if args.optimizer_ops:
+        from benchmarks.optimizer_ops import main as optimizer_ops
+
+        return optimizer_ops()
     if args.one:
         print("RESULT=" + json.dumps(bench_recipe(args.one, overrides, args.warmup, args.steps)))
         return

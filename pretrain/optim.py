@@ -67,7 +67,10 @@ class LARS(torch.optim.Optimizer):
             g_norm = torch.stack(torch._foreach_norm(grads))
             trust = torch.where((w_norm > 0) & (g_norm > 0), group["eta"] * w_norm / g_norm, torch.ones_like(w_norm))
             grads = torch._foreach_mul(grads, _per_tensor(trust, grads))
-        bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:  # not setdefault: its zeros_like would run every step
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
         velocity = torch._foreach_mul(bufs, group["momentum"])
         torch._foreach_add_(velocity, grads, alpha=group["lr"])
         torch._fused_sgd_(  # buf ← velocity;  w ← w − 1·velocity;  nothing where found_inf is 1
