@@ -9,18 +9,21 @@ counts the reads of every other step, for the tiny recipe of every registered me
     python -m benchmarks.pretraining --host-reads [--recipes tiny_mocov2,...]
 
 ``.to(device)`` is not counted: on the CPU the device is the host, so a move to the training
-device cannot be told from a read there; on a GPU, ``torch.cuda.set_sync_debug_mode`` catches it.
+device cannot be told from a read there. On CUDA (``--device cuda``) every synchronizing call that
+``torch.cuda.set_sync_debug_mode`` reports is counted too.
 """
 
 from __future__ import annotations
 
 import tempfile
 import traceback
-from contextlib import ExitStack
+import warnings
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
+import torch
 from torch.overrides import TorchFunctionMode
 
 # Every Tensor method or torch function that returns a tensor's value to Python (or a host copy).
@@ -74,27 +77,51 @@ def _caller() -> str:
     return "?"
 
 
+@dataclass(frozen=True)
+class Step:
+    step: int  # 1-based
+    row: bool  # it logged a metrics row
+    reads: int  # host reads inside it and in moving its batch to the device
+    first: str | None  # where the first of them happened
+    syncs: int  # CUDA: synchronizations torch.cuda's sync debug mode reported (0 on the CPU)
+
+
 @dataclass
 class StepReads:
-    """Per step (1-based): whether it logged a row, and the reads inside it and in moving its batch."""
-
     recipe: str
     method: str
-    steps: list[tuple[int, bool, int, str | None]] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
 
     @property
-    def quiet_steps(self) -> list[tuple[int, bool, int, str | None]]:
-        return [s for s in self.steps if not s[1]]
+    def quiet_steps(self) -> list[Step]:
+        return [s for s in self.steps if not s.row]
 
     @property
     def reads_per_quiet_step(self) -> float:
-        quiet = self.quiet_steps
-        return sum(s[2] for s in quiet) / max(len(quiet), 1)
+        return sum(s.reads + s.syncs for s in self.quiet_steps) / max(len(self.quiet_steps), 1)
 
 
-def count_reads(recipe: Path, overrides: list[str], steps: int = 6, log_every: int = 3) -> StepReads:
-    """Train ``steps`` steps of ``recipe`` on the CPU (a row every ``log_every``), counting the host
-    reads of each step and of the batch's move to the device before it."""
+@contextmanager
+def cuda_syncs(on: bool):
+    """The list of torch's warnings for synchronizing CUDA calls made inside (empty on the CPU)."""
+    if not on:
+        yield []
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def count_reads(
+    recipe: Path, overrides: list[str], steps: int = 6, log_every: int = 3, cuda: bool = False
+) -> StepReads:
+    """Train ``steps`` steps of ``recipe`` (a row every ``log_every``) on the CPU, or on CUDA where
+    the synchronizations are counted too, counting the host reads of each step and of the batch's
+    move to the device before it."""
     from accelerate import Accelerator
 
     from pretrain import engine
@@ -108,9 +135,12 @@ def count_reads(recipe: Path, overrides: list[str], steps: int = 6, log_every: i
             return to_device_fn(run, batch)
 
     def train_one_step(run, step, images, labels):
-        with counter:
+        with counter, cuda_syncs(cuda) as syncs:
             row = step_fn(run, step, images, labels)
-        result.steps.append((step + 1, row is not None, *counter.take()))
+        reads, first = counter.take()
+        result.steps.append(
+            Step(step + 1, row is not None, reads, first, sum("synchroniz" in str(w.message) for w in syncs))
+        )
         return row
 
     with tempfile.TemporaryDirectory() as out, ExitStack() as stack:
@@ -124,27 +154,29 @@ def count_reads(recipe: Path, overrides: list[str], steps: int = 6, log_every: i
                 f"train.diagnostics_every={steps + 1}",
                 f"train.checkpoint_every={steps + 1}",
                 "train.resume=none",
-                "train.cpu=true",
+                f"train.cpu={str(not cuda).lower()}",
                 "knn.train_dir=null",
             ],
         )
         result = StepReads(recipe.stem, cfg.method.name)
         stack.enter_context(mock.patch.object(engine, "train_one_step", train_one_step))
         stack.enter_context(mock.patch.object(engine, "to_device", to_device))
-        engine.train(cfg, Accelerator(cpu=True))
+        engine.train(cfg, Accelerator(cpu=not cuda))
     return result
 
 
 def report(results: list[StepReads]) -> str:
     lines = [
-        "| recipe | method | reads per step without a row | steps without / with a row | first read |",
-        "|---|---|---|---|---|",
+        "| recipe | method | reads per step without a row | of which CUDA syncs | steps without / with a row "
+        "| first read |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         quiet = r.quiet_steps
-        first = next((s[3] for s in quiet if s[3]), "")
+        first = next((s.first for s in quiet if s.first), "")
+        syncs = sum(s.syncs for s in quiet) / max(len(quiet), 1)
         lines.append(
-            f"| {r.recipe} | {r.method} | {r.reads_per_quiet_step:g} | {len(quiet)} / {len(r.steps) - len(quiet)} "
-            f"| {first} |"
+            f"| {r.recipe} | {r.method} | {r.reads_per_quiet_step:g} | {syncs:g} | {len(quiet)} / "
+            f"{len(r.steps) - len(quiet)} | {first} |"
         )
     return "\n".join(lines) + "\n"

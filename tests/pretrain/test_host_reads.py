@@ -24,8 +24,8 @@ def _count(name: str, root):
 @pytest.mark.parametrize("name", registered_methods())
 def test_a_step_without_a_row_reads_nothing_on_the_host(name, synthetic_root):
     reads = _count(name, synthetic_root)
-    assert [s[:2] for s in reads.steps] == [(1, False), (2, False), (3, True), (4, False), (5, True)]
-    assert [s[2:] for s in reads.quiet_steps] == [(0, None)] * 3, reads.steps
+    assert [(s.step, s.row) for s in reads.steps] == [(1, False), (2, False), (3, True), (4, False), (5, True)]
+    assert [(s.reads, s.first, s.syncs) for s in reads.quiet_steps] == [(0, None, 0)] * 3, reads.steps
 
 
 def test_a_read_put_back_is_counted_at_every_step(synthetic_root):
@@ -37,8 +37,8 @@ def test_a_read_put_back_is_counted_at_every_step(synthetic_root):
 
     with mock.patch.object(StepGuard, "settle", reading_settle):
         reads = _count("simclr", synthetic_root)
-    assert [s[2] for s in reads.quiet_steps] == [1, 1, 1]
-    assert "__bool__ at test_host_reads.py" in reads.quiet_steps[0][3]
+    assert [s.reads for s in reads.quiet_steps] == [1, 1, 1]
+    assert "__bool__ at test_host_reads.py" in reads.quiet_steps[0].first
 
 
 def test_the_counter_sees_every_kind_of_read():
