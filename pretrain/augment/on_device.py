@@ -220,7 +220,7 @@ def padded_canvas(images: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def batched_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor, sizes: Sequence):
-    """Per view, the B×C×h×w float32 crops (0–255 scale) of a whole batch in a few launches
+    """Per view, the B×C×h×w float32 crops (in [0, 1]) of a whole batch in a few launches
     (``data.backend: device_batched``): the images padded into canvases of similar sizes
     (``size_groups``, ``padded_canvas``), every view's boxes resized by one ``roi_align`` per canvas
     and view, then the flips as a batched select. ``roi_align`` averages ceil(box side / output
