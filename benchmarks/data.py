@@ -192,11 +192,24 @@ def device_batches(dataset: ImageDataset, batch: int) -> list:
     ]
 
 
-def bench_device(root: Path, runs: int, device: torch.device, batch: int) -> list[tuple[str, float, float]]:
+def profile_ops(fn, device: torch.device, rows: int = 10) -> str:
+    """torch.profiler's table of the ops of one ``fn()`` that take the most time on ``device``
+    (self time: each op's own kernels): where the time of the path goes, from the same run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        fn()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def bench_device(root: Path, runs: int, device: torch.device, batch: int) -> tuple[list[tuple[str, float, float]], str]:
     """MoCo v2 at 224 px on ``device``, batches of ``batch``: the batched decode alone (the reference
     of the ratios; then each other decoder here), decode + two views with the per-image crops
     (``data.backend: device``) and with the batched ones (``device_batched``), the batched crops
-    and flips without the colour stage, and the workers' share (read, JPEG header, draws) per core."""
+    and flips without the colour stage, and the workers' share (read, JPEG header, draws) per core;
+    then the profile of one batch of ``device_batched`` (``profile_ops``)."""
     from pretrain.augment.on_device import JPEG_DECODER, batched_crops, decode_images, decode_views, jpeg_decoders
 
     views = build_view_transforms("mocov2", 224)
@@ -216,7 +229,8 @@ def bench_device(root: Path, runs: int, device: torch.device, batch: int) -> lis
     n = len(batches) * batch
     sizes = [tuple(t.geometric[0].size) for t in views]
     everything = list(range(len(ds)))
-    return interleaved(
+    batched = each_batch(lambda b: decode_views(b, views, device, geometry="batched"))
+    rows = interleaved(
         [
             *(
                 (
@@ -227,7 +241,7 @@ def bench_device(root: Path, runs: int, device: torch.device, batch: int) -> lis
                 for name, decode in decoders
             ),
             (EXACT, each_batch(lambda b: decode_views(b, views, device, geometry="exact")), n),
-            (BATCHED, each_batch(lambda b: decode_views(b, views, device, geometry="batched")), n),
+            (BATCHED, batched, n),
             (
                 "decode + the two views' crops and flips alone, `device_batched` (no colour stage)",
                 each_batch(lambda b: batched_crops(decode_images(b, device), b.boxes, b.flips, sizes)),
@@ -237,6 +251,7 @@ def bench_device(root: Path, runs: int, device: torch.device, batch: int) -> lis
         ],
         runs,
     )
+    return rows, profile_ops(batched, device)
 
 
 def device_verdict(rows) -> str:
@@ -250,7 +265,7 @@ def device_verdict(rows) -> str:
     )
 
 
-def device_report(rows, device: torch.device, batch: int, paths: list[Path], peak: str) -> list[str]:
+def device_report(rows, profile: str, device: torch.device, batch: int, paths: list[Path], peak: str) -> list[str]:
     return [
         f"## Decode and views on {device} (`data.backend: device` and `device_batched`)",
         "",
@@ -263,6 +278,12 @@ def device_report(rows, device: torch.device, batch: int, paths: list[Path], pea
         *(f"| {name} | {r:,.0f} | {ratio:.0%} |" for name, r, ratio in rows),
         "",
         device_verdict(rows),
+        "",
+        f"Where `device_batched`'s time on {device} goes (one round of its batches, torch.profiler, ops by self time):",
+        "",
+        "```",
+        *profile.rstrip().splitlines(),
+        "```",
     ]
 
 
@@ -377,13 +398,13 @@ def main(argv: list[str] | None = None) -> None:
             batch = args.device_batch or (256 if device.type == "cuda" else args.images)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            rows = bench_device(root / "photo", args.runs, device, batch)
+            rows, profile = bench_device(root / "photo", args.runs, device, batch)
             peak = (
                 f" Peak device memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB."
                 if device.type == "cuda"
                 else ""
             )
-            lines = device_report(rows, device, batch, paths, peak)
+            lines = device_report(rows, profile, device, batch, paths, peak)
         load = f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}"
         if args.device_only:
             text = (
