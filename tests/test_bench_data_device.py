@@ -26,6 +26,7 @@ def test_the_device_section_times_both_geometries_against_the_batched_decode(tmp
     ratio = {name: float(line.rstrip("% |").rsplit("| ", 1)[1]) / 100 for name, line in rows.items() if "%" in line}
     verdict = "Goal met" if ratio[data.BATCHED] >= 0.5 else "Goal not met"
     assert f"{verdict}: decode + two views at {ratio[data.BATCHED]:.0%}" in text
+    assert "torchvision::roi_align" in text.split("torch.profiler")[1]  # the profile is device_batched's
 
 
 def test_the_verdict_is_the_goals_rule():
