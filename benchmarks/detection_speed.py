@@ -178,6 +178,47 @@ def writers_without_tensorboard():
             yield "tensorboard is not installed: both trainers ran without their TensorBoard writer"
 
 
+def sync_bn_difference(cfg) -> dict:
+    """The config's model with BN (what one process gets) against the same with detectron2's SyncBN
+    where the config file has it (every NORM that is BN here: the configs use no plain BN), one
+    training forward each from the same seed on the same input, on the config's device: how many
+    SyncBatchNorm layers the second has, and the largest differences of the losses and of the BN
+    running statistics. nn.SyncBatchNorm without a process group runs batch_norm, so on the CPU
+    both are 0; on CUDA, kernels chosen per call may differ in the last bits."""
+    from detectron2.modeling import build_model
+    from detectron2.structures import Boxes, Instances
+    from detectron2.utils.events import EventStorage
+
+    from transfer.detection.config import _norm_keys, _set
+
+    sync = cfg.clone()
+    sync.defrost()
+    changed = [key for key, norm in _norm_keys(sync) if norm == "BN"]
+    for key in changed:
+        _set(sync, key, "SyncBN")
+    image = torch.randint(0, 256, (3, 64, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    boxes = Boxes(torch.tensor([[10.0, 8.0, 50.0, 40.0]]))
+    instances = Instances((64, 96), gt_boxes=boxes, gt_classes=torch.tensor([0]))
+    runs = []
+    for c in (cfg, sync):
+        torch.manual_seed(0)
+        model = build_model(c).train()
+        with EventStorage():  # where the RPN and ROI heads log their sampling
+            losses = model([{"image": image, "instances": instances}])
+        stats = {k: v for k, v in model.state_dict().items() if k.endswith(("running_mean", "running_var"))}
+        layers = sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+        runs.append((losses, stats, layers))
+        del model
+    (losses, stats, _), (sync_losses, sync_stats, layers) = runs
+    return {
+        "keys": changed,
+        "sync_bn_layers": layers,
+        "bn_statistics": len(stats),
+        "max_loss_difference": max((losses[k] - sync_losses[k]).abs().item() for k in losses),
+        "max_statistic_difference": max((stats[k] - sync_stats[k]).abs().max().item() for k in stats),
+    }
+
+
 def _weights_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -319,6 +360,20 @@ def report(result: dict) -> str:
     lines += ["", "| config | ours/plain, whole | ours/plain, `time` | goal |", "|---|---|---|---|"]
     for config, run in result["configs"].items():
         lines.append(f"| {config} | {run['ratio_whole']:.3f} | {run['ratio_time']:.3f} | <= {GOAL} |")
+    lines += [
+        "",
+        "SyncBN: one process turns the configs' SyncBN into BN, for both trainers. detectron2's own SyncBN on "
+        "one process (nn.SyncBatchNorm, no process group), one training forward against BN from the same seed:",
+        "",
+        "| config | keys | SyncBatchNorm layers | largest loss difference | largest BN statistic difference |",
+        "|---|---|---|---|---|",
+    ]
+    for config, run in result["configs"].items():
+        b = run["sync_bn"]
+        lines.append(
+            f"| {config} | {', '.join(b['keys'])} | {b['sync_bn_layers']} | {b['max_loss_difference']:.3g} "
+            f"| {b['max_statistic_difference']:.3g} |"
+        )
     lines += _eval_lines(result["evaluation"], a["device"])
     if result["notes"]:
         lines += ["", "Notices (both trainers):", ""] + [f"- {n}" for n in result["notes"]]
@@ -396,6 +451,7 @@ def bench_config(config: str, args: argparse.Namespace, work: Path) -> tuple[dic
     ours, weights = time_trainer(Trainer, cfg, args.warmup)
     plain, _ = time_trainer(DefaultTrainer, cfg, args.warmup)
     run = {
+        "sync_bn": sync_bn_difference(cfg),
         "ours": asdict(ours),
         "plain": asdict(plain),
         "ratio_whole": ratio(ours.iteration_s, plain.iteration_s),

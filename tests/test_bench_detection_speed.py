@@ -76,6 +76,7 @@ def test_the_cpu_dry_run_reports_both_trainers_and_an_equal_evaluation(synthetic
         assert run["ratio_time"] == ours["d2_time_s"] / plain["d2_time_s"]
         assert f"| {config} | {run['ratio_whole']:.3f} | {run['ratio_time']:.3f} | <= 1.02 |" in text
         assert f"| {config} | ours (transfer.detection) | {ours['iteration_s']:.4f} |" in text
+        assert run["sync_bn"]["max_loss_difference"] == 0.0 and run["sync_bn"]["sync_bn_layers"] > 50
     ev = result["evaluation"]
     assert ev["config"] == "voc0712_R_50_FPN_24k_syncbn" and ev["dataset"] == "voc_2007_test_first2"
     assert set(ev["ap"]) == {"AP", "AP50", "AP75"}
@@ -89,37 +90,16 @@ def test_the_cpu_dry_run_reports_both_trainers_and_an_equal_evaluation(synthetic
 def test_detectron2_sync_bn_on_one_process_is_batch_norm():
     """The benchmark (and transfer.detection) turn the configs' SyncBN into BN on one process.
     detectron2's SyncBN there is nn.SyncBatchNorm without a process group, which falls back to
-    batch_norm: the same losses and running statistics as BN, to the bit."""
-    from detectron2.modeling import build_model
-    from detectron2.structures import Boxes, Instances
-    from detectron2.utils.events import EventStorage
+    batch_norm: the same losses and running statistics as BN, to the bit, on the CPU."""
+    from transfer.detection.config import build_config
 
-    from transfer.detection.config import _norm_keys, _set, build_config
-
-    bn, _ = build_config(
-        str(ds.CONFIG_DIR / "voc0712_R_50_FPN_24k_syncbn.yaml"), ["MODEL.DEVICE", "cpu", *ds.TINY_OVERRIDES]
-    )
-    sync = bn.clone()
-    sync.defrost()
-    changed = [key for key, norm in _norm_keys(sync) if norm == "BN"]
-    for key in changed:
-        _set(sync, key, "SyncBN")
-    assert changed == ["MODEL.FPN.NORM", "MODEL.RESNETS.NORM"]  # what the config file has as SyncBN
-    instances = Instances(
-        (64, 96), gt_boxes=Boxes(torch.tensor([[10.0, 8.0, 50.0, 40.0]])), gt_classes=torch.tensor([3])
-    )
-    image = torch.randint(0, 256, (3, 64, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    results = []
-    for cfg in (bn, sync):
-        torch.manual_seed(0)
-        model = build_model(cfg).train()
-        with EventStorage():  # where the RPN and ROI heads log their sampling
-            losses = model([{"image": image, "instances": instances}])
-        stats = {k: v for k, v in model.state_dict().items() if k.endswith(("running_mean", "running_var"))}
-        kinds = {type(m).__name__ for m in model.modules()}
-        results.append((losses, stats, kinds))
-    (losses_bn, stats_bn, kinds_bn), (losses_sync, stats_sync, kinds_sync) = results
-    assert "SyncBatchNorm" in kinds_sync and "SyncBatchNorm" not in kinds_bn  # the control: two different models
-    assert len(stats_bn) > 50 and stats_bn.keys() == stats_sync.keys()
-    assert all(torch.equal(losses_bn[k], losses_sync[k]) for k in losses_bn)
-    assert all(torch.equal(stats_bn[k], stats_sync[k]) for k in stats_bn)
+    for config, keys in (
+        ("voc0712_R_50_FPN_24k_syncbn", ["MODEL.FPN.NORM", "MODEL.RESNETS.NORM"]),
+        ("voc0712_R_50_C4_24k_syncbn", ["MODEL.RESNETS.NORM"]),
+    ):
+        cfg, _ = build_config(str(ds.CONFIG_DIR / f"{config}.yaml"), ["MODEL.DEVICE", "cpu", *ds.TINY_OVERRIDES])
+        d = ds.sync_bn_difference(cfg)
+        assert d["keys"] == keys  # what the config files have as SyncBN
+        # the control: the second model really has SyncBatchNorm layers (the C4 head's res5 and extra norm too)
+        assert d["sync_bn_layers"] == d["bn_statistics"] // 2 > 50
+        assert d["max_loss_difference"] == 0.0 and d["max_statistic_difference"] == 0.0
