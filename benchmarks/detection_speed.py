@@ -386,7 +386,7 @@ def _eval_lines(ev: dict, device: str) -> list[str]:
         "",
         f"## Evaluation on {device} against the CPU",
         "",
-        f"{ev['config']}, the weights ours trained above, on {ev['dataset']} ({d['images']} images, "
+        f"{ev['config']}, the weights ours trained above, on {ev['dataset']} ({d['images']} image(s), "
         f"{d['detections']} detections on {device}; score threshold 0), COCO-style AP:",
         "",
         f"| metric | {device} | cpu | difference |",
