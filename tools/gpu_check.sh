@@ -106,10 +106,11 @@ section_datapath() {
 }
 
 section_detection() {
-  local size="--iters 300"
+  local size="--iters 100 --warmup 20"
   [ $DRY = 1 ] && size="--tiny"
   # shellcheck disable=SC2086
-  $PY -m benchmarks.detection_speed --device "$DEVICE" $size --out "$WORK/detection.md" > "$WORK/detection.log" 2>&1
+  $PY -m benchmarks.detection_speed --device "$DEVICE" $size --data "$DATA" --out "$WORK/detection.md" \
+    > "$WORK/detection.log" 2>&1
 }
 
 section_equivalence() {
