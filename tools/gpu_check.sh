@@ -90,7 +90,7 @@ section_r50() {
   fi
   for backend in fast device device_batched; do
     local recipes=$fast
-    [ $backend = device ] && recipes=$device
+    [ $backend = fast ] || recipes=$device
     # shellcheck disable=SC2086
     $PY -m benchmarks.pretraining --device "$DEVICE" --no-augmentation --data-root "$folder" --recipes "$recipes" \
       $common --set=data.backend=$backend --out "$WORK/r50_$backend.md" > "$WORK/r50_$backend.log" 2>&1 || status=1
