@@ -51,7 +51,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "max_bad_fraction": 0.001,  # stop when more than this fraction of images cannot be decoded
         "colour_on_device": None,  # colour ops on the GPU after a uint8 copy (null: on CUDA yes, on CPU no)
         # fast: decode once, uint8 views by OpenCV/numba, normalised on the device (pretrain/augment/fast.py);
-        # torchvision: the exact reference; device: JPEGs decoded and augmented on the GPU (docs/augmentation.md)
+        # torchvision: the exact reference; device: JPEGs decoded and augmented on the GPU; device_batched: the
+        # same with the crops of a batch in a few launches (docs/augmentation.md)
         "backend": DEFAULT_BACKEND,
     },
     "optim": {

@@ -8,7 +8,7 @@
   ``data.colour_on_device``, and the reference the CPU kernel is tested against).
 - ``jitter_cpu.py``: the colour jitter fused per image (numba), what the CPU workers run.
 - ``fast.py`` and ``on_device.py``: the view backends besides torchvision's reference
-  (``data.backend`` fast and device).
+  (``data.backend`` fast, device and device_batched).
 """
 
 from pretrain.augment.pipeline import ViewTransform
