@@ -56,10 +56,11 @@ def _trusted_load(path: Path) -> Any:
     """The one unrestricted unpickling of the project (see the module docstring)."""
     if _saved_by_torch(path) or path.suffix in (".pth", ".pt", ".tar", ".pyth"):
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
+            with open_untrusted(path, "weights") as f:  # trusted code, but still no special file
+                return torch.load(f, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
         except pickle.UnpicklingError:
             pass  # a plain pickle named .pth: read it as one below
-    with open(path, "rb") as f:
+    with open_untrusted(path, "weights") as f:
         return pickle.load(f, encoding="latin1")  # noqa: S301 - the opt-in
 
 
@@ -170,30 +171,20 @@ def _write(data: Any, out: Path) -> None:
     takes OUT's name: a file that would not load is never left there."""
     if out.suffix == ".pkl":
         payload = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
-
-        def write(tmp: Path) -> None:
-            tmp.write_bytes(payload)
-            load_pickle(tmp)
-
+        write, check = (lambda f: f.write(payload)), load_pickle
     elif out.suffix == ".safetensors":
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file, save
 
         tensors = _flat_tensors(data)
         if not tensors:
             raise UserError(f"{out}: the file holds no tensors to write as safetensors; use a .pth output")
 
-        def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp))
-            load_file(tmp)
-
+        write, check = (lambda f: f.write(save(tensors))), load_file
     else:
-
-        def write(tmp: Path) -> None:
-            torch.save(data, tmp)
-            torch_load(tmp)  # proves the promise: the new file loads weights-only
-
+        # the check proves the promise: the new file loads weights-only
+        write, check = (lambda f: torch.save(data, f)), torch_load
     try:
-        atomic_write(out, write)
+        atomic_write(out, write, check)
     except UserError as e:
         raise UserError(f"{out}: not written, the converted file does not load back ({e})") from None
 

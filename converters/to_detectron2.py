@@ -116,11 +116,7 @@ def _write_pickle(backbone: Backbone, out_path: Path) -> int:
     model = to_detectron2(backbone)
     payload = {"model": model, "__author__": AUTHOR, "matching_heuristics": True}
 
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
-
-    atomic_write(out_path, write)
+    atomic_write(out_path, lambda f: pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL))
     return len(model)
 
 

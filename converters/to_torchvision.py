@@ -38,14 +38,14 @@ def convert(
 
 def _write_state_dict(backbone, out_path: Path) -> int:
     import torch  # here, so that --help answers at once
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from contrastive_transfer.cli import atomic_write
 
     if out_path.suffix == ".safetensors":
-        atomic_write(out_path, lambda tmp: save_file(backbone.state_dict, str(tmp), metadata=_metadata(backbone)))
+        atomic_write(out_path, lambda f: f.write(save(backbone.state_dict, metadata=_metadata(backbone))))
     else:
-        atomic_write(out_path, lambda tmp: torch.save(backbone.state_dict, tmp))
+        atomic_write(out_path, lambda f: torch.save(backbone.state_dict, f))
     return len(backbone.state_dict)
 
 

@@ -19,7 +19,7 @@ from converters.checkpoint_io import load_backbone
 from transfer.features import LayerFeatures, Preprocessing, pool
 from transfer.knn import topk_accuracy
 from transfer.layers import pooling_for
-from transfer.probe_presets import PRESETS
+from transfer.probe_presets import PRESETS, PROBE_STATE
 
 
 def small_stem_resnet18(seed: int = 0) -> nn.Module:
@@ -242,6 +242,31 @@ def test_linear_probe_resume_repeats_the_run(synthetic_root, random_checkpoint, 
     resumed = json.loads((tmp_path / "cut" / "metrics.json").read_text())["history"]
     strip = lambda h: [{k: v for k, v in e.items() if k != "seconds"} for e in h]  # noqa: E731
     assert strip(resumed) == strip(full)
+
+
+def test_a_finished_probe_is_never_replaced_by_a_probe_that_does_not_continue_it(
+    synthetic_root, random_checkpoint, tmp_path
+):
+    """A folder holding a finished probe's metrics.json and no probe state (moved away, or never
+    copied along): before, ``--resume`` found nothing to resume and trained afresh over it, and so
+    did a run without ``--resume``. Now both are one line naming the file, and the folder is
+    untouched; the control: with its state, ``--resume`` continues and writes the same record."""
+    out = tmp_path / "done"
+    linear.main(probe_args(random_checkpoint, synthetic_root, out))
+    record = json.loads((out / "metrics.json").read_text())
+    (out / PROBE_STATE).rename(tmp_path / PROBE_STATE)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"}
+    for extra in (["--resume"], []):
+        with pytest.raises(SystemExit) as e:
+            linear.main(probe_args(random_checkpoint, synthetic_root, out, *extra))
+        line = str(e.value)
+        assert "\n" not in line and f"{out / 'metrics.json'} is a finished probe's output" in line, line
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == before
+    (tmp_path / PROBE_STATE).rename(out / PROBE_STATE)
+    linear.main(probe_args(random_checkpoint, synthetic_root, out, "--resume"))
+    again = json.loads((out / "metrics.json").read_text())
+    strip = lambda h: [{k: v for k, v in e.items() if k != "seconds"} for e in h]  # noqa: E731
+    assert strip(again["history"]) == strip(record["history"])
 
 
 def test_presets_follow_the_papers():
