@@ -273,6 +273,7 @@ def atomic_write(
     write: Callable[[IO[bytes]], object],
     check: Callable[[Path], object] | None = None,
     durable: bool = True,
+    within: str | os.PathLike | None = None,
 ) -> Path:
     """The one writer of the project's files: ``write(f)`` into a new temporary file beside
     ``path`` (``f`` a binary file object), flushed to disk, ``check(tmp)`` (a read-back, if given),
@@ -280,9 +281,19 @@ def atomic_write(
     without following it: nothing outside the folder is written. On any failure the temporary
     file is removed and ``path`` is untouched. ``durable=False`` skips the flush to disk (the
     ``fsync``), for the many files of a generated dataset whose completeness a last, durable file
-    marks (the synthetic datasets' manifest): a crash before it means the whole set is made again."""
+    marks (the synthetic datasets' manifest): a crash before it means the whole set is made again.
+    ``within``: the folder the caller was given, for a file in a subfolder it made there (a feature
+    cache's key folder): the file's folder must resolve inside it, so a link planted in place of
+    the subfolder cannot send the file elsewhere (one line, nothing written)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if within is not None:
+        root, folder = os.path.realpath(within), os.path.realpath(path.parent)
+        if os.path.commonpath([root, folder]) != root:
+            raise UserError(
+                f"{path}: its folder resolves to {folder}, outside {within} (a link in the way): not written; "
+                "remove the link"
+            )
     tmp, fd = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from contrastive_transfer.cli import UserError, atomic_write, write_text
+from contrastive_transfer.cli import UserError, atomic_write
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 from contrastive_transfer.progress import progress
 from contrastive_transfer.untrusted import open_untrusted
@@ -201,15 +201,19 @@ class FeatureCache:
     def get(self, extractor_for, dataset, split: str, layers: list[str], **extract_kwargs) -> dict[str, np.ndarray]:
         """Cached features of `layers`; the missing ones are extracted in one pass with
         `extractor_for(missing_layers)` and written atomically."""
+        folder = self._dir(dataset)
+        if folder.is_symlink():  # neither read nor written through: it would be another folder's features
+            raise UserError(f"{folder} is a symbolic link, expected a folder of this feature cache; remove it")
         # a link is never adopted as a cached file (a cache may sit in a shared folder): extracted again and
         # replaced by this run's own file
         missing = [name for name in layers if not _own_file(self.path(dataset, split, name))]
         if missing:
             feats = extract(extractor_for(missing), dataset, desc=f"{split} features", **extract_kwargs)
             for name in missing:
-                atomic_write(self.path(dataset, split, name), lambda f, a=feats[name]: np.save(f, a))
-            meta = self._dir(dataset) / "cache.json"
-            write_text(meta, json.dumps(self.identity, indent=1))
+                # within the cache's root: a link planted in place of a key folder sends nothing elsewhere
+                atomic_write(self.path(dataset, split, name), lambda f, a=feats[name]: np.save(f, a), within=self.root)
+            meta = json.dumps(self.identity, indent=1).encode()
+            atomic_write(self._dir(dataset) / "cache.json", lambda f: f.write(meta), within=self.root)
         else:
             logger.info("features of %s (%s) read from the cache %s", split, ", ".join(layers), self._dir(dataset))
         return {name: _read_npy(self.path(dataset, split, name)) for name in layers}
