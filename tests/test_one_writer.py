@@ -8,6 +8,7 @@ again with a link planted at every one of those paths: nothing outside the folde
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -153,7 +154,7 @@ def _one_line_or_success(run, out: Path) -> str:
 
 
 def _command(name, synthetic_root, weights):
-    from converters import to_detectron2, to_torchvision
+    from converters import legacy_to_safe, to_detectron2, to_torchvision
     from transfer import knn, linear
 
     from .transfer.test_features_probes import probe_args
@@ -170,8 +171,23 @@ def _command(name, synthetic_root, weights):
             probe_args(weights, synthetic_root, out, "--epochs", "1", "--resize", "72", "--crop", "64")
         ),
         "pretrain": lambda out: _pretrain(synthetic_root, out),
+        "legacy_to_safe": lambda out: legacy_to_safe.main([str(weights), str(out / "safe.pth"), "--i-trust-this-file"]),
+        "curves": _curves,
     }
     return commands[name]
+
+
+def _curves(out: Path) -> None:
+    """``pretrain.analysis curves`` over a run folder's log (the input, written here unless a link
+    is planted in its place)."""
+    from pretrain.analysis.__main__ import main
+
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "metrics.jsonl"
+    if not os.path.lexists(log):
+        rows = [{"step": s, "epoch": s / 2, "lr": 0.1, "loss": 3.0 - s / 10} for s in range(1, 5)]
+        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["curves", str(out)])
 
 
 def _pretrain(synthetic_root: Path, out: Path) -> None:
@@ -194,7 +210,9 @@ def weights(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["to_torchvision", "to_detectron2", "knn", "linear", "pretrain"])
+@pytest.mark.parametrize(
+    "name", ["to_torchvision", "to_detectron2", "legacy_to_safe", "knn", "linear", "pretrain", "curves"]
+)
 def test_a_link_at_every_path_a_command_writes_changes_nothing_outside(name, synthetic_root, weights, tmp_path):
     """The command is run once into a fresh folder to learn what it writes; then a fresh folder
     gets a link at each of those paths, to a file of its own outside, and the command runs there.
