@@ -59,6 +59,7 @@ READ_CALLS = {
 }
 PATH_WRITES = {"write_text", "write_bytes"}
 PATH_READS = {"read_text", "read_bytes"}
+PATH_CHANGES = {"touch", "chmod", "symlink_to", "hardlink_to"}
 MOVES = {("shutil", n) for n in ("copy", "copy2", "copyfile", "copytree", "move")} | {
     ("os", n) for n in ("link", "symlink", "rename", "replace")
 }
@@ -161,6 +162,11 @@ class _Scan(ast.NodeVisitor):
             flags = ast.unparse(call.args[1]) if len(call.args) > 1 else ""
             if "NOFOLLOW" not in flags:
                 self.found.append((line, "write" if "O_W" in flags or "O_RDWR" in flags else "read", what))
+        elif isinstance(call.func, ast.Attribute) and (
+            attr in PATH_CHANGES or (attr in ("rename", "replace") and len(call.args) == 1 and not call.keywords)
+        ):
+            # a path's own rename/replace (str.replace takes two arguments), touch, chmod, links
+            self.found.append((line, "write", what))
         elif attr in PATH_WRITES and receiver != "cli":
             self.found.append((line, "write", what))
         elif attr in PATH_READS:

@@ -64,6 +64,10 @@ RAW_WRITES = [
     "os.open(path, os.O_WRONLY | os.O_CREAT)",
     "shutil.copy(src, path)",
     "os.rename(src, path)",
+    "Path(src).replace(path)",
+    "src.rename(path)",
+    "Path(path).touch()",
+    "path.chmod(0o600)",
 ]
 THE_WRITERS_FORMS = [
     "atomic_write(path, lambda f: torch.save(obj, f))",
@@ -74,6 +78,7 @@ THE_WRITERS_FORMS = [
     "f = open_append(path)",
     "os.open(path, os.O_RDWR | os.O_NOFOLLOW)",
     "data = save(tensors)",  # safetensors' bytes
+    "name = str(path).replace('.pth', '.pkl')",  # a string's replace
 ]
 
 
