@@ -216,7 +216,9 @@ def weights(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "name", ["to_torchvision", "to_detectron2", "legacy_to_safe", "knn", "linear", "pretrain", "curves"]
+    "name",
+    ["to_torchvision", "to_detectron2", "legacy_to_safe", "knn", "linear", "curves"]
+    + [pytest.param("pretrain", marks=pytest.mark.slow)],  # four tiny runs: ~40 s on two busy cores
 )
 def test_a_link_at_every_path_a_command_writes_changes_nothing_outside(name, synthetic_root, weights, tmp_path):
     """The command is run once into a fresh folder to learn what it writes; then a fresh folder
