@@ -38,6 +38,7 @@ from torchvision.io import decode_image, decode_jpeg  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 from benchmarks import cpu_name  # noqa: E402
+from contrastive_transfer.cli import atomic_write, write_text  # noqa: E402
 from contrastive_transfer.images import check_image, open_rgb, read_image_bytes  # noqa: E402
 from contrastive_transfer.synthetic.generate import render_classification  # noqa: E402
 from pretrain.augment import build_view_transforms  # noqa: E402
@@ -82,7 +83,7 @@ def write_images(root: Path, n: int) -> tuple[list[Path], list[Path]]:
         texture = TEXTURE_LUMA * luma[..., None] + TEXTURE_CHROMA * np.stack([c1, c2, -c1 - c2], axis=-1)
         textured.parent.mkdir(parents=True, exist_ok=True)
         pixels = np.clip(scene + gain * texture, 0, 255).round().astype(np.uint8)
-        Image.fromarray(pixels).save(textured, format="JPEG", quality=90)
+        atomic_write(textured, lambda f, p=pixels: Image.fromarray(p).save(f, format="JPEG", quality=90))
     return photo, light
 
 
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             text = report(results, light, workers, paths, light_paths, machine().format(load=load))
             text += "\n".join(["", *lines, ""]) if lines else ""
-    args.out.write_text(text)
+    write_text(args.out, text)
     print(text)
 
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks import cpu_name
+from contrastive_transfer.cli import write_text
 from contrastive_transfer.file_index import FileIndex
 
 IMAGENET_TRAIN = 1_281_167
@@ -147,7 +148,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("file_index.md"))
     a = p.parse_args()
     text = report(measure(a.entries, a.workers), a.workers)
-    a.out.write_text(text)
+    write_text(a.out, text)
     print(text)
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from contrastive_transfer.cli import write_text
 from contrastive_transfer.json_limits import read_json_lines
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
@@ -596,7 +597,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [_bench_in_child(recipe, args) for recipe in recipes]
     aug = _bench_augmentations(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(_report(rows, aug, args))
+    write_text(args.out, _report(rows, aug, args))
     print(f"wrote {args.out}")
 
 

@@ -31,11 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from contrastive_transfer.cli import DEBUG_HELP, UserError, command
+from contrastive_transfer.cli import DEBUG_HELP, UserError, atomic_write, command
 from contrastive_transfer.safe_load import is_torch_zip, load_pickle, torch_load
 from contrastive_transfer.untrusted import open_untrusted
 from converters.checkpoint_io import CheckpointError, carried_metadata
-from converters.cli import write_output
 
 FLAG = "--i-trust-this-file"
 _SCALARS = (str, int, float, bool, bytes, type(None))
@@ -60,10 +59,11 @@ def _trusted_load(path: Path) -> Any:
     """The one unrestricted unpickling of the project (see the module docstring)."""
     if _saved_by_torch(path) or path.suffix in (".pth", ".pt", ".tar", ".pyth"):
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
+            with open_untrusted(path, "weights") as f:  # trusted code, but still no special file
+                return torch.load(f, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
         except pickle.UnpicklingError:
             pass  # a plain pickle named .pth: read it as one below
-    with open(path, "rb") as f:
+    with open_untrusted(path, "weights") as f:
         return pickle.load(f, encoding="latin1")  # noqa: S301 - the opt-in
 
 
@@ -174,13 +174,9 @@ def _write(data: Any, out: Path) -> None:
     takes OUT's name: a file that would not load is never left there."""
     if out.suffix == ".pkl":
         payload = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
-
-        def write(tmp: Path) -> None:
-            tmp.write_bytes(payload)
-            load_pickle(tmp)
-
+        write, check = (lambda f: f.write(payload)), load_pickle
     elif out.suffix == ".safetensors":
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file, save
 
         tensors = _flat_tensors(data)
         if not tensors:
@@ -190,18 +186,12 @@ def _write(data: Any, out: Path) -> None:
         except CheckpointError as e:
             raise UserError(f"{out}: not written, the file's record cannot be read ({e})") from None
 
-        def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp), metadata=metadata)
-            load_file(tmp)
-
+        write, check = (lambda f: f.write(save(tensors, metadata=metadata))), load_file
     else:
-
-        def write(tmp: Path) -> None:
-            torch.save(data, tmp)
-            torch_load(tmp)  # proves the promise: the new file loads weights-only
-
+        # the check proves the promise: the new file loads weights-only
+        write, check = (lambda f: torch.save(data, f)), torch_load
     try:
-        write_output(out, write)
+        atomic_write(out, write, check)
     except UserError as e:
         raise UserError(f"{out}: not written, the converted file does not load back ({e})") from None
 

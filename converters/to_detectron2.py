@@ -113,8 +113,8 @@ def convert(
 
 
 def _write_pickle(backbone: Backbone, out_path: Path) -> int:
+    from contrastive_transfer.cli import atomic_write
     from converters.checkpoint_io import METADATA_KEY, backbone_metadata
-    from converters.cli import write_output
 
     model = to_detectron2(backbone)
     payload = {
@@ -124,11 +124,7 @@ def _write_pickle(backbone: Backbone, out_path: Path) -> int:
         METADATA_KEY: backbone_metadata(backbone),
     }
 
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
-
-    write_output(out_path, write)
+    atomic_write(out_path, lambda f: pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL))
     return len(model)
 
 

@@ -41,16 +41,16 @@ def convert(
 
 def _write_state_dict(backbone, out_path: Path) -> int:
     import torch  # here, so that --help answers at once
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
+    from contrastive_transfer.cli import atomic_write
     from converters.checkpoint_io import METADATA_KEY, backbone_metadata
-    from converters.cli import write_output
 
     meta = backbone_metadata(backbone)
     if out_path.suffix == ".safetensors":
-        write_output(out_path, lambda tmp: save_file(backbone.state_dict, str(tmp), metadata=meta))
+        atomic_write(out_path, lambda f: f.write(save(backbone.state_dict, metadata=meta)))
     else:
-        write_output(out_path, lambda tmp: torch.save({**backbone.state_dict, METADATA_KEY: meta}, tmp))
+        atomic_write(out_path, lambda f: torch.save({**backbone.state_dict, METADATA_KEY: meta}, f))
     return len(backbone.state_dict)
 
 

@@ -10,6 +10,7 @@ run continues exactly where the interrupted one stopped.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -22,11 +23,21 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from contrastive_transfer.cli import OutputLock, UserError, atomic_write, json_line, remove_stale_temporaries
+from contrastive_transfer import json_limits
+from contrastive_transfer.cli import (
+    OutputLock,
+    UserError,
+    json_line,
+    open_append,
+    remove_stale_temporaries,
+    write_bytes,
+    write_text,
+)
 from contrastive_transfer.contract import FINAL_NAME, LAST_NAME
 from contrastive_transfer.paths import printable
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptSignals, ignore_in_worker
 from contrastive_transfer.progress import Laps, progress
+from contrastive_transfer.untrusted import read_untrusted
 from pretrain import dist
 from pretrain.checkpoint import (
     ResumeError,
@@ -36,6 +47,7 @@ from pretrain.checkpoint import (
     last_good,
     load_training_state,
     read_training_state,
+    refuse_replacing_final,
     save_training_state,
 )
 from pretrain.config import per_process_batch, scaled_lr
@@ -64,17 +76,24 @@ class NonFiniteLossError(UserError):
     """The loss, or the parameters after a step, stopped being finite; nothing was saved."""
 
 
-def claim_output_dir(out: Path, main: bool) -> OutputLock | None:
+def claim_output_dir(cfg, main: bool) -> OutputLock | None:
     """The main process locks the output directory for the whole run (a second run into it stops
-    at once, naming the holder); every process learns the outcome, so all stop together."""
+    at once, naming the holder) and checks that the run replaces no finished run's output it does
+    not continue (``refuse_replacing_final``); every process learns the outcome, so all stop
+    together."""
+    out = Path(cfg.train.output_dir)
     lock, error = None, None
     if main:
         try:
             lock = OutputLock(out, "train.output_dir").acquire()
+            refuse_replacing_final(cfg)
             for tmp in remove_stale_temporaries(out):
                 print(f"removed {tmp.name}, left by a killed write")
         except UserError as e:
             error = str(e)
+            if lock is not None:
+                lock.release()
+                lock = None
     error = dist.decided_by_rank0(error)
     if error:
         raise UserError(error)
@@ -83,15 +102,28 @@ def claim_output_dir(out: Path, main: bool) -> OutputLock | None:
 
 def trim_metrics(path: Path, step: int) -> None:
     """Drop the rows past ``step`` that an interrupted run logged after its last checkpoint: the
-    resumed run logs those steps again, and every step must appear once."""
-    if not path.is_file():
+    resumed run logs those steps again, and every step must appear once. The log is read through
+    the gate (a regular file within the metrics log's cap) and the JSON limits; a link there is
+    refused, not adopted (a run's log is its own file), and a row that is not an object with an
+    integer step is one line naming the line."""
+    if os.path.islink(path):
+        raise UserError(f"{path} is a symbolic link, expected this run's own metrics log: not read; remove it")
+    if not os.path.lexists(path):
         return
-    kept = [
-        line
-        for line in path.read_text().splitlines(keepends=True)
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
-    atomic_write(path, lambda tmp: tmp.write_text("".join(kept)))
+    kept = []
+    for number, line in enumerate(read_untrusted(path, "log").splitlines(keepends=True), 1):
+        if not line.strip():
+            continue
+        row = json_limits.loads(line, f"{path} line {number}")
+        row_step = row.get("step", 0) if isinstance(row, dict) else row
+        if type(row_step) is not int:
+            raise UserError(
+                f"{path} line {number}: {json.dumps(row_step)[:80]}, expected a row of metrics (an object) with an "
+                "integer step; remove the line or the file"
+            )
+        if row_step <= step:
+            kept.append(line)
+    write_bytes(path, b"".join(kept))
 
 
 @torch.no_grad()
@@ -207,7 +239,7 @@ def train(cfg, accelerator: Accelerator) -> Path:
     is this run's alone until it returns or fails. A preemption signal (``train.preempt_signals``)
     ends the run after the step it reached, saved, by raising ``Preempted``."""
     preempt = PreemptSignals(cfg.train.preempt_signals)  # a bad signal name stops before any work
-    lock = claim_output_dir(Path(cfg.train.output_dir), accelerator.is_main_process)
+    lock = claim_output_dir(cfg, accelerator.is_main_process)
     run = None
     try:
         with preempt:
@@ -215,7 +247,7 @@ def train(cfg, accelerator: Accelerator) -> Path:
             step = resume(cfg, accelerator, run.method, run.optimizer, run.steps_per_epoch)
             if accelerator.is_main_process:
                 trim_metrics(run.out / "metrics.jsonl", step)
-                run.metrics = open(run.out / "metrics.jsonl", "a")
+                run.metrics = open_append(run.out / "metrics.jsonl")
             accelerator.init_trackers("pretrain")
             step = train_loop(run, step)
             if step < run.last_step:
@@ -330,7 +362,7 @@ def describe(cfg, accelerator: Accelerator, n_local: int) -> None:
     builds, the scaled lr, the automatic settings; what --print-config prints), printed too: a log
     says what ran."""
     text = config_text(cfg, accelerator.device, accelerator.num_processes)
-    atomic_write(Path(cfg.train.output_dir) / "config.yaml", lambda tmp: tmp.write_text(text))
+    write_text(Path(cfg.train.output_dir) / "config.yaml", text)
     accelerator.print(text)
     accelerator.print(
         f"git {git_sha()} | {accelerator.num_processes} process(es) on {accelerator.device} | batch "
@@ -545,7 +577,7 @@ def finish(run: Run, step: int) -> Path:
             run.metrics.close()
         if skipped:  # skip mode: say which files were replaced by their next readable neighbour
             listing = run.out / "unreadable_images.txt"
-            atomic_write(listing, lambda tmp: tmp.write_text("".join(f"{path}\n" for path in skipped)))
+            write_text(listing, "".join(f"{path}\n" for path in skipped))
             run.accelerator.print(
                 f"skipped {len(skipped)} unreadable images, e.g. {', '.join(skipped[:3])}; all of them in {listing}"
             )

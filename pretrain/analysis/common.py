@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from contrastive_transfer import cli
 from contrastive_transfer.cli import UserError, atomic_write, finite_or_null, write_json
 from contrastive_transfer.contract import METHOD_STATE, training_state
 from contrastive_transfer.progress import progress
@@ -38,7 +39,7 @@ class AnalysisError(UserError, ValueError):
 
 
 def write_text(path: Path, text: str) -> Path:
-    atomic_write(path, lambda tmp: tmp.write_text(text))
+    cli.write_text(path, text)
     return path
 
 
@@ -60,10 +61,7 @@ def write_csv(path: Path, columns: Sequence[str], rows: Iterable[dict]) -> Path:
 def save_figure(fig, path: Path, dpi: int = 130) -> Path:
     import matplotlib.pyplot as plt
 
-    def write(tmp: Path) -> None:
-        fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
-
-    atomic_write(path, write)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi, bbox_inches="tight"))
     plt.close(fig)
     return path
 

@@ -123,7 +123,6 @@ class PreemptHook(HookBase):
         )
         raise Preempted(name)
 
-
     def agreed_to_stop(self) -> bool:
         """Whether any process got a signal. One process knows without asking the device; several
         reduce their flags (a read of the device each iteration, which detectron2's metrics make
