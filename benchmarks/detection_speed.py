@@ -43,7 +43,7 @@ from unittest import mock
 import torch
 
 from benchmarks import cpu_name
-from contrastive_transfer.cli import UserError, command
+from contrastive_transfer.cli import UserError, command, write_text
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "detection"
 DEFAULT_CONFIGS = "voc0712_R_50_FPN_24k_syncbn,voc0712_R_50_C4_24k_syncbn"
@@ -491,9 +491,8 @@ def main(argv: list[str] | None = None) -> dict:
     text = report(result)
     print(text, end="")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        write_text(args.out, text)
+        write_text(Path(args.out).with_suffix(".json"), json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")
     return result
 

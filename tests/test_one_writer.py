@@ -28,6 +28,11 @@ WRITE_ALLOWED = {
     "replaces a link there, never follows it)",
     ("pretrain/data.py", "scan_index(root).save"): "FileIndex.save writes through atomic_write",
     ("benchmarks/file_index.py", "index.save"): "FileIndex.save writes through atomic_write",
+    ("benchmarks/jpeg_folder.py", "shutil.move"): (
+        "moves the JPEGs write_images made in its own temporary folder into the new folder it created (it "
+        "refuses one that exists): nothing there to follow"
+    ),
+    ("benchmarks/jpeg_folder.py", "os.link"): "hard links, in the new folder it created, to the files it moved there",
     ("tools/install_detectron2_pypi.py", "pth.write_text"): (
         "make setup's installer writes a .pth into the virtual environment's own site-packages: no output "
         "folder, nothing from elsewhere"
