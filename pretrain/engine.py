@@ -28,6 +28,7 @@ from contrastive_transfer.contract import FINAL_NAME, LAST_NAME
 from contrastive_transfer.paths import printable
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptSignals, ignore_in_worker
 from contrastive_transfer.progress import Laps, progress
+from contrastive_transfer.sync_bn import convert_sync_batchnorm
 from pretrain import dist
 from pretrain.checkpoint import (
     ResumeError,
@@ -53,7 +54,7 @@ from pretrain.data import (
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
-from pretrain.models import Encoder, convert_sync_batchnorm
+from pretrain.models import Encoder
 from pretrain.optim import build_optimizer, lr_at
 
 FILE_INDEX_NAME = "file_index.npz"  # the dataset's images as this run reads them (pretrain.data.shared_index)

@@ -77,26 +77,11 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"--k {args.k} / --t {args.t}: expected k >= 1 and t > 0")
 
     from contrastive_transfer.cli import write_json
-    from converters.checkpoint_io import summary_lines
-    from transfer.datasets.readers import read_image_folder
-    from transfer.features import FeatureCache, LayerFeatures, Preprocessing, load_model
 
-    model, backbone = load_model(args.weights, args.encoder, args.layout)
-    resize, crop = eval_cli.resolve_size(args.resize, args.crop, backbone.image_size)
-    prep = Preprocessing(resize, crop, "center")
-    train, val = read_image_folder(args.train_dir), read_image_folder(args.val_dir)
-    if train.classes != val.classes:
-        raise UserError(f"class folders of {args.train_dir} and {args.val_dir} differ; use the same classes in both")
-    # The inputs are valid; before the long work, prove the output can be written.
-    out = ensure_writable_dir(args.output_dir, "--output-dir")
-    for line in summary_lines(backbone):
-        logger.info(line)
-    train.transform = val.transform = prep.transform()
-    cache = FeatureCache(out / "features", args.weights, args.encoder, prep)
-    make = lambda names: LayerFeatures(model, names)  # noqa: E731
-    kwargs = dict(batch_size=args.batch_size, workers=args.workers)
-    bank = cache.get(make, train, "train", ["res5avg"], **kwargs)["res5avg"]
-    query = cache.get(make, val, "val", ["res5avg"], **kwargs)["res5avg"]
+    with eval_cli.launched_processes():
+        bank, query, out, train, val, prep, backbone = _features(args)
+        if bank is None:  # ranks other than 0 under a launcher: their shards are extracted
+            return
     acc = knn_evaluate(bank, train.labels, query, val.labels, len(train.classes), args.k, args.t)
     metrics = {
         "protocol": "knn",
@@ -114,6 +99,36 @@ def main(argv: list[str] | None = None) -> None:
         "kNN (k=%d, t=%g, %d-d): top-1 %.2f, top-5 %.2f", args.k, args.t, bank.shape[1], acc["top1"], acc["top5"]
     )
     print(json.dumps(acc))
+
+
+def _features(args):
+    """(bank, queries, output dir, both datasets, preprocessing, backbone record): the features of
+    both folders, extracted by every process under a launcher; on ranks other than 0 the features
+    are None (rank 0 votes and writes)."""
+    from contrastive_transfer.ranks import done_by_rank0
+    from converters.checkpoint_io import summary_lines
+    from transfer.datasets.readers import read_image_folder
+    from transfer.features import FeatureCache, LayerFeatures, Preprocessing, load_model
+
+    model, backbone = load_model(args.weights, args.encoder, args.layout)
+    resize, crop = eval_cli.resolve_size(args.resize, args.crop, backbone.image_size)
+    prep = Preprocessing(resize, crop, "center")
+    train, val = read_image_folder(args.train_dir), read_image_folder(args.val_dir)
+    if train.classes != val.classes:
+        raise UserError(f"class folders of {args.train_dir} and {args.val_dir} differ; use the same classes in both")
+    # The inputs are valid; before the long work, prove the output can be written (rank 0 writes).
+    out = done_by_rank0(lambda: ensure_writable_dir(args.output_dir, "--output-dir"))
+    for line in summary_lines(backbone):
+        logger.info(line)
+    train.transform = val.transform = prep.transform()
+    cache = FeatureCache(out / "features", args.weights, args.encoder, prep)
+    make = lambda names: LayerFeatures(model, names)  # noqa: E731
+    kwargs = dict(batch_size=args.batch_size, workers=args.workers)
+    bank = cache.get(make, train, "train", ["res5avg"], **kwargs)
+    query = cache.get(make, val, "val", ["res5avg"], **kwargs)
+    if bank is None:
+        return None, None, out, train, val, prep, backbone
+    return bank["res5avg"], query["res5avg"], out, train, val, prep, backbone
 
 
 if __name__ == "__main__":
