@@ -30,6 +30,7 @@ __all__ = [
     "done_by_rank0",
     "gather_in_order",
     "shard_indices",
+    "summed",
 ]
 
 T = TypeVar("T")
@@ -125,6 +126,16 @@ def done_by_rank0(work: Callable[[], T]) -> T:
     if kind == "error":
         raise UserError(value)
     return value  # type: ignore[return-value]
+
+
+def summed(values: list[float], device: torch.device) -> list[float]:
+    """``values`` summed over all processes (float64, through ``device``: this rank's GPU under
+    NCCL), the same list on every rank; ``values`` itself in one process."""
+    if world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
 
 
 def shard_indices(n: int, unit: int = 1) -> list[int]:
