@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_vote
+from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_bank, knn_vote
 from contrastive_transfer.paths import scan_image_folder
 from contrastive_transfer.ranks import gather_in_order, shard_indices
 from pretrain.data import eval_transform
@@ -89,5 +89,5 @@ def knn_accuracy(
     query, labels, val_classes = extract_features(backbone, val_dir, image_size, device, **options)
     if classes != val_classes:
         raise ValueError(f"kNN: class folders differ between {train_dir} and {val_dir}")
-    pred = knn_vote(query, bank, bank_labels, len(classes), k, t).argmax(dim=1)
+    pred = knn_vote(query, knn_bank(bank), bank_labels, len(classes), k, t).argmax(dim=1)  # float16 on CUDA
     return 100.0 * (pred == labels).float().mean().item()

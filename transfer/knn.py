@@ -9,9 +9,11 @@ crop. Each validation image takes its k most cosine-similar training images; nei
 its class with weight exp(s_j / t); the prediction is the class with the largest summed vote
 (top-5: the five largest).
 
-``pretrain/knn.py`` holds the same ten-line vote for the monitor during pretraining; it is
-re-stated here rather than imported because transfer depends on converters only (the contract
-with pretrain is the checkpoint file).
+The vote is ``contrastive_transfer.contract.knn_vote``, the one the pretraining monitor
+(``pretrain/knn.py``) uses too: the bank in float16 on a GPU, float32 on a CPU (``knn_bank``), the
+queries in chunks sized so that the similarities held at once stay under a fixed count whatever
+the number of queries (``benchmarks/knn_scale.py`` measures it at ImageNet's 1.28 M images).
+Under a launcher the features are extracted by every process and rank 0 votes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from contrastive_transfer.cli import UserError, command, ensure_writable_dir
-from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_vote
+from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_bank, knn_vote
 from transfer import eval_cli
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that --help does not wait for it
@@ -47,13 +49,17 @@ def knn_evaluate(
     k: int = KNN_K,
     t: float = KNN_TEMPERATURE,
 ) -> dict[str, float]:
+    """Top-1/top-5 of the weighted kNN vote, on the GPU when there is one. A float32 ``train_feats``
+    is L2-normalised in place on a CPU: an ImageNet bank (10.5 GB) is not copied."""
     import torch
-    import torch.nn.functional as F
 
-    bank = F.normalize(torch.as_tensor(train_feats, dtype=torch.float32), dim=1)
-    query = F.normalize(torch.as_tensor(val_feats, dtype=torch.float32), dim=1)
-    scores = knn_vote(query, bank, torch.as_tensor(train_labels), num_classes, k, t)
-    return topk_accuracy(scores, torch.as_tensor(val_labels))
+    from transfer.features import default_device
+
+    device = default_device()
+    bank = knn_bank(torch.as_tensor(train_feats), device)
+    query = knn_bank(torch.as_tensor(val_feats), device)
+    scores = knn_vote(query, bank, torch.as_tensor(train_labels, device=device), num_classes, k, t)
+    return topk_accuracy(scores.cpu(), torch.as_tensor(val_labels))
 
 
 def parser():
