@@ -294,9 +294,10 @@ def distributed(head: nn.Sequential, device: torch.device) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     convert_sync_batchnorm(head, device)
-    # The synchronised BN keeps the buffers equal on every rank: nothing to broadcast each step.
+    # The synchronised BN keeps the buffers equal on every rank: nothing to send each step (they
+    # are equal at the start too, the head built from the same seed everywhere).
     return DistributedDataParallel(
-        head, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
+        head, device_ids=[device] if device.type == "cuda" else None, forward_sync_buffers=False
     )
 
 
