@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from benchmarks import cpu_name
+from contrastive_transfer.cli import write_text
 from contrastive_transfer.contract import KNN_K, KNN_SIMILARITIES, KNN_TEMPERATURE, knn_bank, knn_vote
 
 IMAGENET_TRAIN = 1_281_167
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
     text = report(rows, sys.argv[1:] if argv is None else argv)
-    a.out.write_text(text)
+    write_text(a.out, text)
     print(text)
 
 
