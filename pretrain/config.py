@@ -25,7 +25,7 @@ from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
 
-from contrastive_transfer.cli import UserError
+from contrastive_transfer.cli import INPUT_ERRORS, UserError, describe
 from contrastive_transfer.contract import ARCHS, KNN_K, KNN_TEMPERATURE, STEMS
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import check_run_name, escapes
@@ -344,6 +344,11 @@ def saved_config(data: Any, where: str) -> DictConfig:
     ``oc.env`` the moment it is read)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: its config is a {type(data).__name__}, expected a mapping of keys")
+    bad_key = _non_string_key(data)
+    if bad_key is not None:
+        raise ConfigError(
+            f"{where}: its config has the key {bad_key}, expected text keys (a config from YAML has no other)"
+        )
     for key, value in _strings(data):
         if "${" in value:
             raise ConfigError(
@@ -376,6 +381,23 @@ class Range:
 MAX_WORKERS = max(64, 4 * (os.cpu_count() or 1))
 _FRACTION, _TEMPERATURE, _RATE = Range(0, 1), Range(0, 100, above=True), Range(0, 1000)
 _STEPS, _EPOCHS = Range(1, 10**12), Range(1, 10**6)
+
+
+def _non_string_key(node: Any, prefix: str = "", depth: int = 0) -> str | None:
+    """The first key of a mapping (at any level, lists included) that is not a string, shown with
+    where it is; None when there is none. A pickled config may hold tuple or integer keys, which
+    OmegaConf refuses with a multi-line error naming neither."""
+    if depth > MAX_KEY_DEPTH:
+        return f"{prefix} (nested more than {MAX_KEY_DEPTH} levels)"
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        if isinstance(node, dict) and not isinstance(k, str):
+            return f"{k!r:.80} under {prefix or 'the top level'}"
+        found = _non_string_key(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+        if found is not None:
+            return found
+    return None
+
 
 # Every numeric key of a pretraining config and the range it must lie in, checked when the config
 # resolves and when a saved config is read (``_check_numbers``); ``N`` stands for a list's index.
@@ -528,11 +550,23 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     return cfg
 
 
+MAX_KEY_DEPTH = 16  # the deepest key of any config is 5 levels (data.views.0.crop.scale)
+
+
 def _parse_overrides(overrides: Iterable[str]) -> dict:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. train.batch_size=64)")
-    given = OmegaConf.to_container(OmegaConf.from_dotlist(upgrade_overrides(list(overrides))), resolve=False)
+    upgraded = upgrade_overrides(list(overrides))
+    for override in upgraded:  # each alone first, so that a refusal names the override
+        key, _, value = override.partition("=")
+        if key.count(".") >= MAX_KEY_DEPTH:
+            raise ConfigError(f"override {override[:80]!r}: a key {key.count('.') + 1} levels deep; no key is deeper")
+        try:
+            OmegaConf.from_dotlist([override])
+        except (*INPUT_ERRORS, OmegaConfBaseException) as e:
+            raise ConfigError(f"override {override[:80]!r}: cannot read its value ({describe(e)[:200]})") from None
+    given = OmegaConf.to_container(OmegaConf.from_dotlist(upgraded), resolve=False)
     _check_interpolations(given, "override")
     return given
 
