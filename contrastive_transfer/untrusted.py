@@ -80,6 +80,9 @@ KINDS: dict[str, Kind] = {
 # reaches it): a training state of the largest ResNet with its optimizer holds ~10^4, a plain walk of
 # 10^7 takes seconds. Every walk over a loaded object (the tensor checks, the converters) stays below.
 MAX_EXPANDED = 10_000_000
+# Containers within containers: a checkpoint nests ~6 deep (an optimizer's state of a parameter);
+# a recursive walk (Python's, OmegaConf's) stops with a RecursionError near 1,000.
+MAX_NESTING = 100
 MAX_INFLATION = 50  # a deflated record may inflate at most this much (float weights: ~1.1x)
 
 
@@ -329,6 +332,8 @@ def expanded_size(obj: Any, cap: int = MAX_EXPANDED) -> int | str:
                 return f"expands to more than {cap} values through shared references (a walk would visit each)"
         elif key in open_:
             return f"holds a {type(item).__name__} that contains itself (a walk would never end)"
+        elif len(open_) >= MAX_NESTING:
+            return f"nests containers more than {MAX_NESTING} levels deep (a checkpoint nests a few)"
         elif key not in sizes:
             open_.add(key)
             stack.append((item, True))

@@ -198,11 +198,11 @@ def _loader(load: Callable[..., DictConfig]) -> Callable[..., DictConfig]:
 def _read_yaml(path: Path, chain: tuple[str, ...] = (), files_read: list[int] | None = None) -> DictConfig:
     """A YAML file merged over its `_base_` file(s) (paths relative to it), recursively; the
     chain bounded and free of loops (contrastive_transfer.yaml_limits)."""
-    path = path.resolve()
+    path = Path(os.path.realpath(path))  # Path.resolve raises RuntimeError on a link loop; the gate names it
     files_read = [0] if files_read is None else files_read
     if chain:
         check_chain(chain, str(path), files_read[0], "_base_")
-    if not path.exists():
+    if not os.path.lexists(path):
         raise ConfigError(f"config file {path} does not exist" + (f" (a _base_ of {chain[-1]})" if chain else ""))
     files_read[0] += 1
     text = decode_yaml(read_untrusted(path, "config"), str(path))  # the gate: a regular file, within its cap

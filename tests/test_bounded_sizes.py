@@ -5,6 +5,7 @@ values a launcher passes on are checked whole. Each with its control: the attack
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import sys
@@ -18,7 +19,7 @@ import torch
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.untrusted import UnsafeFileError
 
-from .hostile import bomb_png, resnet18_state, torch_bytes
+from .hostile import bomb_png, nested_pickle, resnet18_state, torch_bytes, with_pickle
 
 
 def shared_paths(levels: int, leaf: object) -> list:
@@ -67,6 +68,12 @@ def test_a_torch_file_whose_shared_references_form_2_to_the_64_paths_is_one_line
     looped.write_bytes(torch_bytes({"w": x}))
     with pytest.raises(UnsafeFileError, match="contains itself"):
         torch_load(looped)
+    deep = tmp_path / "deep.pth"  # 100,000 nested lists, written opcode by opcode
+    deep.write_bytes(with_pickle(torch_bytes({"w": torch.zeros(1)}), nested_pickle(100_000)))
+    with pytest.raises(RecursionError):  # the control: torch loads it, a recursive walk cannot follow
+        copy.deepcopy(torch.load(deep, weights_only=True))
+    with pytest.raises(UnsafeFileError, match="nests containers more than 100 levels deep"):
+        torch_load(deep)
     tied = tmp_path / "tied.pth"  # control: shared tensors and a few shared containers load
     state = resnet18_state()
     tied.write_bytes(torch_bytes({"a": state, "b": state, "c": shared_paths(8, 1)}))
