@@ -9,11 +9,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from contrastive_transfer.cli import DEBUG_HELP, UserError, describe
+from contrastive_transfer.cli import DEBUG_HELP, UserError, atomic_write, describe
 from converters.layouts import ENCODERS, LAYOUTS
 
 if TYPE_CHECKING:  # imported by convert_backbone, so that --help answers at once
     from converters.checkpoint_io import Backbone
+
+
+# Every file a converter writes gets this mode, less the umask: torch.save and pickle create files
+# the usual way (0666 less the umask), but safetensors creates its own 0600, so the same weights
+# were private as .safetensors and readable as .pth or .pkl.
+OUTPUT_MODE = 0o644
+
+
+def write_output(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """``contrastive_transfer.cli.atomic_write`` with the file's mode set to ``OUTPUT_MODE`` less
+    the umask before it takes its name."""
+    umask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(umask)
+
+    def write_with_mode(tmp: Path) -> None:
+        write(tmp)
+        os.chmod(tmp, OUTPUT_MODE & ~umask)
+
+    return atomic_write(path, write_with_mode)
 
 
 def add_arguments(parser: argparse.ArgumentParser, output_help: str) -> None:

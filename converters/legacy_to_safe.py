@@ -13,7 +13,9 @@ bytes, None and dicts/lists/tuples of them; an ``argparse.Namespace`` (MoCo's ``
 dict. Anything else is dropped and listed, and so are quantized and sparse tensors (no reader
 takes them). OUT's suffix picks the format: ``.pth`` (torch.save, loads with ``weights_only=True``),
 ``.pkl`` (detectron2 weights for the restricted unpickler) or ``.safetensors`` (the tensors only,
-under dotted names). A tensor whose dtype the format lacks (numpy has no bfloat16 or float8) is
+under dotted names, with the record the file carries, a checkpoint's backbone record or a
+converter's ``metadata``, as the header's metadata: ``converters.checkpoint_io.weights_metadata``).
+A tensor whose dtype the format lacks (numpy has no bfloat16 or float8) is
 widened to float32 or complex64, which hold its values exactly, and listed. The written file is read
 back through the safe loader before it takes OUT's name.
 """
@@ -29,9 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from contrastive_transfer.cli import DEBUG_HELP, UserError, atomic_write, command
+from contrastive_transfer.cli import DEBUG_HELP, UserError, command
 from contrastive_transfer.safe_load import is_torch_zip, load_pickle, torch_load
 from contrastive_transfer.untrusted import check_expansion, open_untrusted
+from converters.checkpoint_io import CheckpointError, carried_metadata
+from converters.cli import write_output
 
 FLAG = "--i-trust-this-file"
 _SCALARS = (str, int, float, bool, bytes, type(None))
@@ -181,9 +185,13 @@ def _write(data: Any, out: Path) -> None:
         tensors = _flat_tensors(data)
         if not tensors:
             raise UserError(f"{out}: the file holds no tensors to write as safetensors; use a .pth output")
+        try:  # the record the evaluators read (--crop auto's size), which tensors alone would lose
+            metadata = carried_metadata(data, str(out))
+        except CheckpointError as e:
+            raise UserError(f"{out}: not written, the file's record cannot be read ({e})") from None
 
         def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp))
+            save_file(tensors, str(tmp), metadata=metadata)
             load_file(tmp)
 
     else:
@@ -193,7 +201,7 @@ def _write(data: Any, out: Path) -> None:
             torch_load(tmp)  # proves the promise: the new file loads weights-only
 
     try:
-        atomic_write(out, write)
+        write_output(out, write)
     except UserError as e:
         raise UserError(f"{out}: not written, the converted file does not load back ({e})") from None
 

@@ -167,20 +167,39 @@ def _all_dicts(items: list) -> bool:
     return all(isinstance(item, dict) for item in items)
 
 
+# A changed name explains every option that comes and goes with it: named first, method before loss.
+_NAME_KEYS = ("method.name", "method.loss.name")
+
+
+def _precedence(change: tuple[str, Any, Any]) -> int:
+    """The order a refusal names changes in: a method's or loss's name, then a value that changed,
+    then a key that one side lacks (an option of the other loss, a key added since)."""
+    key, was, now = change
+    if key in _NAME_KEYS:
+        return _NAME_KEYS.index(key)
+    return len(_NAME_KEYS) + (was is _ABSENT or now is _ABSENT)
+
+
 def _check_same_setup(path: Path, saved: dict, cfg) -> None:
     saved = upgrade_saved(saved)
     current = OmegaConf.to_container(cfg)
     defaults = OmegaConf.to_container(config_defaults(cfg.method.name, OmegaConf.select(cfg, "method.loss.name")))
-    for invariant in RESUME_INVARIANT_KEYS:
-        trees = (_select(t, invariant, _ABSENT) for t in (saved, current, defaults))
-        for key, was, now in _changes(invariant, *trees):
-            before = f"without {key}" if was is _ABSENT else f"with {key}={was}"
-            after = f"no {key}" if now is _ABSENT else f"{key}={now}"
-            raise ResumeError(
-                f"checkpoint {path} was written {before}, this run has {after}: "
-                "resume with the same setting, or start afresh with train.resume=none "
-                "or another train.output_dir"
-            )
+    changes = [
+        change
+        for invariant in RESUME_INVARIANT_KEYS
+        for change in _changes(invariant, *(_select(t, invariant, _ABSENT) for t in (saved, current, defaults)))
+    ]
+    if not changes:
+        return
+    key, was, now = min(changes, key=_precedence)  # the first of the most telling kind
+    before = f"without {key}" if was is _ABSENT else f"with {key}={was}"
+    after = f"no {key}" if now is _ABSENT else f"{key}={now}"
+    others = [k for k, _, _ in changes if k != key]
+    also = f" (also differing: {', '.join(others[:3])}{f' and {len(others) - 3} more' if len(others) > 3 else ''})"
+    raise ResumeError(
+        f"checkpoint {path} was written {before}, this run has {after}{also if others else ''}: "
+        "resume with the same setting, or start afresh with train.resume=none or another train.output_dir"
+    )
 
 
 def read_training_state(path: Path) -> dict:

@@ -20,7 +20,6 @@ from typing import IO, Any, NoReturn
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from contrastive_transfer.cli import OutputLock, UserError, atomic_write, json_line, remove_stale_temporaries
@@ -55,6 +54,8 @@ from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
 from pretrain.models import Encoder, convert_sync_batchnorm
 from pretrain.optim import build_optimizer, lr_at
+from pretrain.resolved import automatic, config_text
+from pretrain.step_guard import StepGuard
 
 FILE_INDEX_NAME = "file_index.npz"  # the dataset's images as this run reads them (pretrain.data.shared_index)
 
@@ -163,13 +164,8 @@ def gpu_settings(cfg, method: torch.nn.Module, device: torch.device) -> SpeedSet
     with AMP; on CPU it is rarely faster. Compilation covers the encoders only (the losses gather
     across processes, which graphs would break on) and keeps parameter names, so checkpoints are
     the same with or without it."""
-    cuda = device.type == "cuda"
-    t = cfg.train
-    speed = SpeedSettings(
-        cuda if t.channels_last is None else t.channels_last,
-        cuda if t.cudnn_benchmark is None else t.cudnn_benchmark,
-        bool(t.compile),
-    )
+    chosen = automatic(cfg, device)  # what config.yaml says under the config
+    speed = SpeedSettings(chosen["train.channels_last"], chosen["train.cudnn_benchmark"], chosen["train.compile"])
     torch.backends.cudnn.benchmark = speed.cudnn_benchmark
     if speed.channels_last:
         method.to(memory_format=torch.channels_last)
@@ -196,6 +192,7 @@ class Run:
     last_step: int
     bad_images: BadImageTracker
     preempt: PreemptSignals
+    guard: StepGuard  # the stop conditions, decided on the device (pretrain/step_guard.py)
     metrics: IO[str] | None = None  # metrics.jsonl on the main process, opened once the resume trimmed it
     laps: Laps = field(default_factory=Laps)  # where the wall time since the previous row went
     stopping: bool = False  # all processes agreed to stop after this step (a preemption signal)
@@ -260,6 +257,8 @@ def train_loop(run: Run, step: int) -> int:
         if run.stopping and step < run.last_step:
             break  # its checkpoint is written; the epoch end's kNN monitor would only delay the exit
         end_of_epoch(run, step, bar)
+        if run.stopping:
+            break  # several processes: the stop was agreed when the epoch's checkpoint read the flags
     bar.close()
     waited, wall = run.laps.totals.get("data", 0.0), run.laps.mark - run.laps.first
     run.accelerator.print(
@@ -308,6 +307,7 @@ def setup(cfg, accelerator: Accelerator, preempt: PreemptSignals) -> Run:
         last_step = min(last_step, cfg.train.max_steps)
 
     model, optimizer = accelerator.prepare(method, optimizer)
+    guard = StepGuard(accelerator.device, optimizer)
     return Run(
         cfg,
         accelerator,
@@ -321,13 +321,17 @@ def setup(cfg, accelerator: Accelerator, preempt: PreemptSignals) -> Run:
         last_step,
         BadImageTracker(cfg.data.max_bad_fraction),
         preempt,
+        guard,
     )
 
 
 def describe(cfg, accelerator: Accelerator, n_local: int) -> None:
-    """config.yaml, and the config and setup printed: a log says what ran."""
-    atomic_write(Path(cfg.train.output_dir) / "config.yaml", lambda tmp: tmp.write_text(OmegaConf.to_yaml(cfg)))
-    accelerator.print(OmegaConf.to_yaml(cfg))
+    """config.yaml (the config, then what the run resolves from it on this machine: the views it
+    builds, the scaled lr, the automatic settings; what --print-config prints), printed too: a log
+    says what ran."""
+    text = config_text(cfg, accelerator.device, accelerator.num_processes)
+    atomic_write(Path(cfg.train.output_dir) / "config.yaml", lambda tmp: tmp.write_text(text))
+    accelerator.print(text)
     accelerator.print(
         f"git {git_sha()} | {accelerator.num_processes} process(es) on {accelerator.device} | batch "
         f"{cfg.train.batch_size} global = {n_local} per process | lr {scaled_lr(cfg):.4g} "
@@ -339,7 +343,7 @@ def describe(cfg, accelerator: Accelerator, n_local: int) -> None:
 def build_data(cfg, accelerator: Accelerator, method, n_local: int) -> DataLoader:
     views = method.view_transforms(cfg)  # two views of data.augmentation, or the method's own (multi-crop)
     device = accelerator.device
-    colour_on_device = device.type == "cuda" if cfg.data.colour_on_device is None else cfg.data.colour_on_device
+    colour_on_device = automatic(cfg, device)["data.colour_on_device"]
     saved = Path(cfg.train.output_dir) / FILE_INDEX_NAME
     index = shared_index(cfg.data.root, saved, accelerator.is_main_process, fresh=cfg.train.resume == "none")
     dataset = ImageDataset(
@@ -353,7 +357,7 @@ def build_data(cfg, accelerator: Accelerator, method, n_local: int) -> DataLoade
         accelerator.process_index,
         cfg.train.seed,
         cfg.data.num_workers,
-        cfg.data.pin_memory and device.type == "cuda",
+        automatic(cfg, device)["data.pin_memory"],
     )
 
 
@@ -373,6 +377,9 @@ def train_one_epoch(run: Run, step: int, bar) -> int:
     for images, labels, bad in prefetch(run.loader, partial(to_device, run), run.accelerator.device):
         run.laps.lap("data")
         run.bad_images.update(bad, run.n_local)
+        if run.guard.several and read_verdict(run):  # the previous step's flags, read a step late
+            save_checkpoint(run, step)
+            break
         row = train_one_step(run, step, images, labels)
         step += 1
         if row is not None:
@@ -395,55 +402,63 @@ PER_STEP, BETWEEN_STEPS = ("data", "step"), ("checkpoint", "knn")
 
 def train_one_step(run: Run, step: int, images, labels) -> dict | None:
     """Global step ``step + 1``, and its checkpoint when one is due; returns its metrics row when
-    the step is one that logs (else None). A preemption signal received on any process makes this
-    step the last: all processes save it and stop (``run.stopping``)."""
+    the step is one that logs (else None). Outside those steps nothing is read from the device: the
+    stop conditions are decided there (``run.guard``) and read where the host reads anyway. A
+    preemption signal makes this step the last: all processes save it and stop (``run.stopping``)."""
     cfg, method, optimizer = run.cfg, run.method, run.optimizer
     lr = lr_at(cfg, step, run.steps_per_epoch)
     for group in optimizer.param_groups:
         group["lr"] = lr
     diagnose = (step + 1) % cfg.train.diagnostics_every == 0
     method.watch_grad = diagnose
+    if not run.guard.several:
+        run.bad_images.check()  # one process: raises naming its unreadable files, before any work
 
     output = run.model(images, labels) if method.needs_labels else run.model(images)
     loss = output["loss"]
-    # The stop conditions in one reduction that travels during the backward; read just before the
-    # step, so the step never applies a non-finite update and all ranks stop together. A signal
-    # that arrives later is seen at the next step: every rank reads its flag at the same step.
-    flags = torch.stack(
-        [
-            torch.isfinite(loss.detach()).all(),
-            torch.tensor(not run.bad_images.exceeded, device=loss.device),
-            torch.tensor(run.preempt.received is None, device=loss.device),
-        ]
-    )
-    verdict = dist.start_all_ranks_true(flags)
+    # A signal that arrives later is seen at the next step: every rank reads its flag at the same step.
+    run.guard.start(step, loss, not run.bad_images.exceeded, run.preempt.received is None)
     optimizer.zero_grad(set_to_none=True)
     run.accelerator.backward(loss)
-    finite, images_ok, carry_on = verdict.wait()
-    if not images_ok:
-        run.bad_images.check()  # raises naming this process's unreadable files
-        raise UnreadableImagesError(
-            "unreadable images above data.max_bad_fraction on another process (see its error for the file names)"
-        )
-    if not finite:
-        raise NonFiniteLossError(
-            f"non-finite loss ({loss.item()}) at step {step} (epoch {step // run.steps_per_epoch}); {stopped(run)}"
-        )
+    run.guard.settle()  # the update below is left undone on the device if a flag says so
     optimizer.step()
     method.after_step(skipped=run.accelerator.optimizer_step_was_skipped)  # e.g. AdCo's ascent
 
     step += 1
-    run.stopping = not carry_on
+    if not run.guard.several:
+        run.stopping = run.preempt.received is not None
+    logs = step % cfg.train.log_every == 0 or diagnose or step == run.last_step
+    saves = step % cfg.train.checkpoint_every == 0 or step == run.last_step
     row = None
-    if step % cfg.train.log_every == 0 or diagnose or step == run.last_step or run.stopping:
-        row = metrics_row(run, step, lr, output, diagnose)  # reads the device: the step is done
+    if logs or saves or run.stopping:
+        read_verdict(run)  # those read the device anyway; several processes: this step's stop agreed
+        if logs or run.stopping:
+            row = metrics_row(run, step, lr, output, diagnose)
     run.laps.lap("step", steps=1)
-    if step % cfg.train.checkpoint_every == 0 or step == run.last_step or run.stopping:
+    if saves or run.stopping:
         save_checkpoint(run, step)
         run.laps.lap("checkpoint")
     if row is not None:
         row.update(run.laps.row(PER_STEP, BETWEEN_STEPS), time=time.time())  # time: wall clock, Unix seconds
     return row
+
+
+def read_verdict(run: Run) -> bool:
+    """What the device decided about the steps taken so far (a read): raises the stop's error, and
+    returns whether the processes agreed to stop after the last step (``run.stopping``)."""
+    verdict = run.guard.check()
+    if verdict.bad_step is not None:
+        step = verdict.bad_step
+        raise NonFiniteLossError(
+            f"non-finite loss ({verdict.bad_loss}) at step {step} (epoch {step // run.steps_per_epoch}); {stopped(run)}"
+        )
+    if verdict.images_elsewhere:
+        run.bad_images.check()  # raises naming this process's unreadable files
+        raise UnreadableImagesError(
+            "unreadable images above data.max_bad_fraction on another process (see its error for the file names)"
+        )
+    run.stopping = run.stopping or verdict.stop
+    return run.stopping
 
 
 def stopped(run: Run) -> str:
@@ -471,6 +486,7 @@ def log_row(run: Run, row: dict) -> None:
 
 def save_checkpoint(run: Run, step: int) -> None:
     """``checkpoint_last.pth`` at ``step`` (called on every process)."""
+    read_verdict(run)  # no state after a non-finite loss, or with another process's images over the limit
     # Never write a state that cannot be continued: checked on every process, agreed in one
     # reduction, so all of them stop together and nothing is written.
     if not dist.start_all_ranks_true(parameters_usable(run.method).unsqueeze(0)).wait()[0]:
@@ -491,7 +507,7 @@ def end_of_epoch(run: Run, step: int, bar) -> None:
     if step != run.last_step:
         save_checkpoint(run, step)
         run.laps.lap("checkpoint")
-    if run.cfg.knn.train_dir and epoch % run.cfg.knn.every_epochs == 0:
+    if run.cfg.knn.train_dir and not run.stopping and epoch % run.cfg.knn.every_epochs == 0:
         knn_monitor(run, step, bar)
 
 
@@ -520,6 +536,7 @@ def knn_monitor(run: Run, step: int, bar) -> None:
 def finish(run: Run, step: int) -> Path:
     """Export ``checkpoint_final.pth`` and list the unreadable images that were skipped."""
     final = run.out / FINAL_NAME
+    read_verdict(run)
     # printable: a file name that is not UTF-8 is written escaped, never failing the run at its end
     skipped = sorted({printable(path) for paths in dist.gather_objects(run.bad_images.bad) for path in paths})
     if run.accelerator.is_main_process:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Subset
 from contrastive_transfer.cli import UserError, atomic_write, finite_or_null, write_json
 from contrastive_transfer.contract import METHOD_STATE, training_state
 from contrastive_transfer.progress import progress
-from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
+from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
 from pretrain.migrate import upgrade_saved
 
 
@@ -85,8 +85,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not os.path.lexists(path):
         raise AnalysisError(f"checkpoint {path} does not exist")
-    try:  # weights_only: checkpoints given to the analyses may come from anywhere
-        state = torch_load(path, NUMPY_RNG_GLOBALS, kind="training state")
+    try:  # the project's one reader of weights (checkpoints given to the analyses may come from anywhere):
+        state = load_weights_file(path)  # training states, and every format the evaluators read
     except UnsafeFileError as e:
         raise AnalysisError(str(e)) from None
     except Exception as e:  # torch raises many kinds for a bad file
