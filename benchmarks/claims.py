@@ -64,7 +64,7 @@ from benchmarks.learning import (
 from benchmarks.learning import (
     RUNS_FILE as LEARNING_RUNS,
 )
-from contrastive_transfer.cli import atomic_write, write_text
+from contrastive_transfer.cli import atomic_write, command, write_text
 from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -600,6 +600,7 @@ def _seeds(text: str) -> list[int]:
         raise SystemExit(f"error: seeds {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
 
 
+@command  # a runs file or option that is not what it should be: one line
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.claims",

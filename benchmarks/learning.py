@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 from benchmarks import cell, cpu_name, mean_std
-from contrastive_transfer.cli import atomic_write, open_append, write_text
+from contrastive_transfer.cli import UserError, atomic_write, command, open_append, write_text
 from contrastive_transfer.json_limits import read_json, read_json_lines
 from contrastive_transfer.synthetic.digits import DETECTION_OVERRIDES, PRETRAIN_OVERRIDES
 
@@ -505,11 +505,48 @@ def _chart(runs: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def read_runs(path: Path) -> list[dict]:
-    """The lines of the runs file (each one measured run), in the order they were measured."""
-    if not path.is_file():
+# What the tables and claims read from every line of a runs file, and its type: a line without one
+# (hand-edited, or from another tool) is one line naming the file, the line and the key, not a
+# KeyError in the middle of a table. "config" (the experiment) or else "config_hash" keys the run.
+RUN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "recipe": str,
+    "seed": int,
+    "seconds": (int, float),
+    "knn_top1": (int, float),
+    "random_knn_top1": (int, float),
+    "linear_top1": (int, float),
+}
+# Read by this table only (the claims' rows may lack them).
+TABLE_FIELDS = {**RUN_FIELDS, "git_sha": str, "random_linear_top1": (int, float)}
+
+
+def read_runs(path: Path, fields: dict[str, type | tuple[type, ...]] = RUN_FIELDS) -> list[dict]:
+    """The lines of the runs file (each one measured run), in the order they were measured, each
+    holding ``fields`` of their types; BenchmarkInputError (one line) otherwise. A missing file
+    has no runs; anything else at the path (a FIFO, a dangling link) is the gate's to refuse."""
+    if not os.path.lexists(path):
         return []
-    return read_json_lines(path)
+    rows = read_json_lines(path)
+    for n, row in enumerate(rows, 1):
+        where = f"{path} run {n}"  # the reader skips blank lines: n counts runs
+        if not isinstance(row, dict):
+            raise BenchmarkInputError(f"{where}: a {type(row).__name__}, expected an object (one run)")
+        for key, kind in [*fields.items(), *([("preset", str)] if "preset" in row else [])]:
+            value = row.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                shown = "missing" if key not in row else f"{value!r:.60}"
+                raise BenchmarkInputError(f"{where}: {key} is {shown}, expected {_kind_name(kind)}")
+        if not isinstance(row.get("config"), dict) and not isinstance(row.get("config_hash"), str):
+            raise BenchmarkInputError(f"{where}: neither a config (an object) nor a config_hash (text) keys the run")
+    return rows
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    return "a number" if kind == (int, float) else {str: "text", int: "an integer"}.get(kind, str(kind))
+
+
+class BenchmarkInputError(UserError, ValueError):
+    """A runs file whose line is not a run this benchmark wrote."""
 
 
 def _key(row: dict) -> tuple:
@@ -525,7 +562,7 @@ def append_run(path: Path, row: dict) -> None:
 def carry_legacy_rows(work: Path, path: Path, preset: str) -> None:
     """Rows an older version kept only under ``work/rows/<recipe>/seed<s>.json`` go into the runs
     file (the one migration place of that layout), unless it has them."""
-    have = {_key(r) for r in read_runs(path)}
+    have = {_key(r) for r in read_runs(path, TABLE_FIELDS)}
     for legacy in sorted((work / "rows").glob("*/seed*.json")):
         row = {"preset": preset, **read_json(legacy)}
         if _key(row) not in have:
@@ -549,7 +586,7 @@ def measure_kept(recipe: str, seed: int, args, data: Path, work: Path) -> None:
     """Measure (recipe, seed) unless the runs file has it with the current config, and no --fresh."""
     preset = PRESETS[args.preset]
     current = config_hash(recipe, args.epochs, seed, preset.overrides)
-    rows = [r for r in read_runs(args.runs) if _key(r)[:3] == (preset.name, recipe, seed)]
+    rows = [r for r in read_runs(args.runs, TABLE_FIELDS) if _key(r)[:3] == (preset.name, recipe, seed)]
     if not args.fresh and any(row_hash(r) == current for r in rows):
         print(f"{recipe} seed {seed}: measured before ({args.runs})")
         return
@@ -574,6 +611,7 @@ def default_out(preset: DataPreset, epochs: int) -> Path:
     return out if epochs == preset.epochs else out.with_name(f"{out.stem}_{epochs}ep{out.suffix}")
 
 
+@command  # a runs file or option that is not what it should be: one line
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.learning",
@@ -614,11 +652,11 @@ def main(argv: list[str] | None = None) -> None:
     hashes = {(r, s): config_hash(r, args.epochs, s, preset.overrides) for r in every for s in range(args.seeds)}
 
     def table() -> None:
-        write_table(current_runs(read_runs(args.runs), preset.name, hashes), every, out, args)
+        write_table(current_runs(read_runs(args.runs, TABLE_FIELDS), preset.name, hashes), every, out, args)
 
     if args.plan:
         table()
-        kept = current_runs(read_runs(args.runs), preset.name, hashes)
+        kept = current_runs(read_runs(args.runs, TABLE_FIELDS), preset.name, hashes)
         for recipe in every:
             done = {r["seed"] for r in kept.get(recipe, [])}
             print(f"{recipe}: missing seeds {[s for s in range(args.seeds) if s not in done] or 'none'}")

@@ -1,10 +1,13 @@
 """How every command of the project fails, claims its output directory and writes its files.
 
 - ``UserError``: an expected failure (bad input, a path that cannot be used, a run that diverged).
-  ``@command`` turns it, and any ``OSError`` (missing file, permission, full disk: the environment,
-  not a bug), into one line ``error: ...`` and exit code 1, as it does for a collective that failed
-  because another process of the run is gone (``peer_lost``). ``--debug`` (or ``CT_DEBUG=1``) shows
-  the traceback instead. Anything else is a bug and keeps its traceback.
+  ``@command`` turns it, any ``OSError`` (missing file, permission, full disk: the environment,
+  not a bug) and every failure of input (``is_input_error``: what Python and the config libraries
+  raise while reading or checking a file, a key or a value) into one line ``error: ...`` and exit
+  code 1, as it does for a collective that failed because another process of the run is gone
+  (``peer_lost``). ``--debug`` (or ``CT_DEBUG=1``) shows the traceback instead. Anything else is a
+  bug and keeps its traceback. ``QuietInputErrors`` keeps a library's logger (detectron2's trainer)
+  from printing the traceback of such a failure before that line.
 - ``ensure_writable_dir`` proves an output location usable before any work starts.
 - ``OutputLock`` makes a run the only one writing into its output directory.
 - ``atomic_write`` is the one writer of the project's files: a temporary file it creates itself
@@ -22,6 +25,7 @@ import contextlib
 import errno
 import functools
 import json
+import logging
 import math
 import os
 import secrets
@@ -35,7 +39,11 @@ from typing import IO, Any, Callable
 
 __all__ = [
     "UserError",
+    "INPUT_ERRORS",
+    "QuietInputErrors",
     "command",
+    "describe",
+    "is_input_error",
     "ensure_writable_dir",
     "OutputLock",
     "atomic_write",
@@ -97,11 +105,32 @@ def peer_lost(error: BaseException) -> str | None:
     )
 
 
+# Besides UserError and OSError, what reading or checking an input raises when the input is bad:
+# Python's own refusals (an integer of over 4,300 digits or text that is not UTF-8: ValueError;
+# nesting deeper than the interpreter's stack: RecursionError; a size believed: MemoryError) and the
+# errors of the libraries that read configs and annotations (OmegaConf, PyYAML, yacs and fvcore under
+# detectron2, detectron2's own), recognised by their module so that this module imports none of them.
+INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, RecursionError, MemoryError)
+_INPUT_LIBRARIES = ("omegaconf", "yaml", "yacs", "fvcore", "detectron2")
+
+
+def is_input_error(error: BaseException) -> bool:
+    """Whether ``error`` is an expected failure (one line) rather than a bug (a traceback)."""
+    if isinstance(error, (UserError, OSError, *INPUT_ERRORS)):
+        return True
+    return any(cls.__module__.split(".")[0] in _INPUT_LIBRARIES for cls in type(error).__mro__)
+
+
 def describe(error: BaseException) -> str:
-    """One line for an expected failure; an OSError names its path and the system's reason."""
+    """One line for an expected failure; an OSError names its path and the system's reason, a
+    failure of input that does not name what it was reading says what kind of failure it is."""
     original = _worker_error(error)
     if original is not None:
         return " ".join(original.split())
+    if isinstance(error, RecursionError):
+        return "the input nests too deeply to be read (RecursionError); --debug shows where"
+    if isinstance(error, MemoryError):
+        return "out of memory while reading the input (MemoryError); --debug shows where"
     if isinstance(error, OSError) and not isinstance(error, UserError):
         where = f" {error.filename}" if error.filename else ""
         reason = error.strerror or str(error)
@@ -109,7 +138,10 @@ def describe(error: BaseException) -> str:
             type(error), "check the path and the disk"
         )
         return f"{reason}:{where}; {hint}" if where else f"{reason}; {hint}"
-    return " ".join(str(error).split()) or type(error).__name__
+    text = " ".join(str(error).split())[:2000]
+    if isinstance(error, UserError):
+        return text or type(error).__name__
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def command(main: Callable[..., object]) -> Callable[..., object]:
@@ -124,17 +156,28 @@ def command(main: Callable[..., object]) -> Callable[..., object]:
             debug = True
         try:
             return main(argv)
-        except (UserError, OSError) as e:
+        except Exception as e:
             if debug:
                 raise
-            raise SystemExit(f"error: {describe(e)}") from None
-        except RuntimeError as e:
-            lost = None if debug else peer_lost(e)
+            if is_input_error(e):
+                raise SystemExit(f"error: {describe(e)}") from None
+            lost = peer_lost(e)
             if lost is None:
                 raise
             raise SystemExit(f"error: {lost}") from None
 
     return wrapper
+
+
+class QuietInputErrors(logging.Filter):
+    """Drops a log record carrying the traceback of a failure of input (``is_input_error``):
+    detectron2's trainer logs "Exception during training:" with the traceback of whatever stops
+    it, then raises it on to ``@command``, whose one line must be the only word on it. Records of
+    bugs keep their traceback; ``--debug`` (CT_DEBUG=1) keeps every one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or not is_input_error(error) or os.environ.get("CT_DEBUG", "") not in ("", "0")
 
 
 def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:

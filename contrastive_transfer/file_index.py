@@ -14,10 +14,12 @@ builds it and the others read it, and a resumed run sees the same list it starte
 
 from __future__ import annotations
 
+import math
 import os
 import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -98,9 +100,12 @@ class FileIndex(Sequence):
         try:  # through the gate: a regular file within its cap, zip records checked before inflating
             with open_untrusted(path, "file index") as f:
                 check_archive(f, path, "file index")
+                check_array_headers(f, path)
                 with np.load(f, allow_pickle=False) as arrays:
                     blob, offsets, labels = (arrays[k] for k in ("blob", "offsets", "labels"))
                     classes = arrays["classes"] if "classes" in arrays else np.array([], dtype=str)
+        except FileIndexError:
+            raise
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
             raise FileIndexError(f"{path}: not a file index ({' '.join(str(e).split()) or type(e).__name__})") from None
         why = _inconsistency(blob, offsets, labels) or (
@@ -118,16 +123,46 @@ class FileIndex(Sequence):
         try:
             with open_untrusted(path, "file index") as f:
                 check_archive(f, path, "file index")
+                check_array_headers(f, path)
                 with np.load(f, allow_pickle=False) as arrays:
                     root = arrays["root"] if "root" in arrays else None
                     return str(root) if root is not None and root.dtype.kind == "U" else None
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, FileIndexError):
             return None
 
     def check_labels(self, num_classes: int, where: str) -> None:
         """Labels are class indices (or -1 for a flat folder): nothing is sized by a bad one."""
         if len(self) and (self.labels.min() < -1 or self.labels.max() >= max(num_classes, 0)):
             raise FileIndexError(f"{where}: labels outside [-1, {num_classes}) for its {num_classes} classes")
+
+
+def check_array_headers(f: IO[bytes], path: str | os.PathLike) -> None:
+    """Every ``.npy`` record of an ``.npz`` declares no more bytes than the record holds: numpy's
+    reader reserves the shape its header states (``ndarray(count)``) before reading a byte, so a
+    100-byte record may otherwise ask for 10^12 entries. Read with numpy's own header parser."""
+    f.seek(0)
+    try:
+        with zipfile.ZipFile(f) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    # 3.0 differs from 2.0 only in the header's text encoding (UTF-8), not its layout
+                    header = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _, dtype = header(member)
+                declared = math.prod(shape) * dtype.itemsize  # Python integers: no overflow
+                if dtype.hasobject:  # a pickle inside: never read (np.load without allow_pickle)
+                    raise FileIndexError(f"{path}: not a file index: array {info.filename!r} holds Python objects")
+                if declared > info.file_size:
+                    raise FileIndexError(
+                        f"{path}: not a usable file index: array {info.filename!r} declares shape {shape} of "
+                        f"{dtype} ({declared} bytes) in a record of {info.file_size} bytes; delete it to rebuild it"
+                    )
+    finally:
+        f.seek(0)
 
 
 def _inconsistency(blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> str | None:

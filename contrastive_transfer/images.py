@@ -5,6 +5,12 @@ warning above it, ``DecompressionBombError``, which is no ``OSError``, above twi
 is set here, once, for every process that imports this module (the evaluators, pretraining and
 detection, whose processes import it through ``transfer.detection.datasets``), and ``open_rgb``
 refuses anything above it from the header alone, before a pixel is decoded.
+
+Pixels are not the whole cost: Pillow stores a 16-bit or 4-band image at 2 or 4 bytes per pixel,
+and the RGB conversion is a second image beside the decoded one (a 16-bit RGBA PNG at the pixel
+limit decodes to 1 GiB and converts to another). ``check_decoded_bytes`` bounds what the mode and
+size need, decoded and converted together, by ``MAX_DECODED_BYTES`` (what the fast backend's RGB
+decode of an image at the pixel limit needs), before decoding.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from contrastive_transfer.untrusted import UnsafeFileError, open_untrusted, read
 # 2^28 ≈ 268 M pixels: a 16k × 16k image; any real photo dataset is far below.
 MAX_IMAGE_PIXELS = 1 << 28
 Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+
+# 768 MiB: an 8-bit RGB image at the pixel limit as one H x W x 3 array (the fast backend's decode).
+MAX_DECODED_BYTES = 3 * MAX_IMAGE_PIXELS
+RGB_STORAGE = 4  # bytes per pixel of Pillow's RGB image (stored as 32-bit pixels)
 
 # What Pillow raises for a file it cannot decode (UnidentifiedImageError and truncation are OSErrors).
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
@@ -38,20 +48,25 @@ def decoding(path: str | os.PathLike) -> Iterator[None]:
 
 
 @contextmanager
-def _opened(path: str | os.PathLike) -> Iterator[Image.Image]:
+def _opened(path: str | os.PathLike, extra_per_pixel: int = 0) -> Iterator[Image.Image]:
     """The image opened through the gate, its pixel count checked from the header (nothing is
     decoded yet); whatever fails here or in the caller's decoding is OSError ``cannot read image
     PATH: reason`` (one line)."""
     with decoding(path), open_untrusted(path, "image") as f, Image.open(f) as im:
         check_pixels(im.width, im.height)
+        check_decoded_bytes(im.width, im.height, im.mode, extra_per_pixel)
         yield im
 
 
 def open_rgb(path: str | os.PathLike) -> Image.Image:
     """The decoded RGB image; OSError ``cannot read image PATH: reason`` (one line) otherwise.
     The file goes through the gate (a regular file within the image cap: a FIFO in a class folder
-    is refused, not waited on), and the pixel count is read from the header before decoding."""
+    is refused, not waited on), and the pixel count and the bytes decoding needs are read from the
+    header before decoding."""
     with _opened(path) as im:
+        if im.mode == "RGB":  # decoded in place: convert() would copy it
+            im.load()
+            return im
         return im.convert("RGB")  # convert() decodes
 
 
@@ -59,8 +74,8 @@ def check_image(path: str | os.PathLike) -> tuple[int, int]:
     """For decoders that open the file themselves (detectron2's ``read_image``): the same gate
     and header check as ``open_rgb``, the same one-line OSError, without decoding; the image's
     (width, height). Pillow's own guard only warns up to twice its limit and then raises an error
-    that is no OSError."""
-    with _opened(path) as im:
+    that is no OSError. detectron2 converts the image and copies it into an array (3 bytes a pixel)."""
+    with _opened(path, extra_per_pixel=3) as im:
         return im.size
 
 
@@ -70,6 +85,27 @@ def check_pixels(width: int, height: int) -> None:
     if width * height > MAX_IMAGE_PIXELS:
         raise Image.DecompressionBombError(
             f"its header claims {width}x{height} pixels, above the limit of {MAX_IMAGE_PIXELS}"
+        )
+
+
+def _storage(mode: str) -> int:
+    """Bytes per pixel of Pillow's image in ``mode``: one byte for 1, L and P, two for the 16-bit
+    integer modes, four for every other (multi-band modes are stored as 32-bit pixels, I and F as
+    32-bit numbers). Pillow exposes no such table: this follows its storage (libImaging/Storage.c)."""
+    if mode in ("1", "L", "P"):
+        return 1
+    return 2 if mode.startswith("I;16") else 4
+
+
+def check_decoded_bytes(width: int, height: int, mode: str, extra_per_pixel: int = 0) -> None:
+    """The bytes decoding (in ``mode``) and the RGB conversion beside it need, plus
+    ``extra_per_pixel`` bytes of the caller's own copy, within MAX_DECODED_BYTES:
+    Image.DecompressionBombError (one of DECODE_ERRORS) above it, before decoding."""
+    per_pixel = _storage(mode) + (0 if mode == "RGB" else RGB_STORAGE) + extra_per_pixel
+    if width * height * per_pixel > MAX_DECODED_BYTES:
+        raise Image.DecompressionBombError(
+            f"its header claims {width}x{height} pixels of mode {mode}, which decoding and its RGB conversion "
+            f"need {width * height * per_pixel} bytes for, above the limit of {MAX_DECODED_BYTES}"
         )
 
 

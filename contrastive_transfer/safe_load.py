@@ -41,6 +41,7 @@ import torch
 from contrastive_transfer.untrusted import (
     UnsafeFileError,
     check_archive,
+    check_expansion,
     check_loaded_tensors,
     open_untrusted,
     read_untrusted,
@@ -412,6 +413,7 @@ def load_pickle(path: str | os.PathLike) -> Any:
         # torch.save's legacy format opens with this number in a pickle of its own: a pickle reader
         # would return it and leave the weights, in the pickles after it, unread
         raise pickle.UnpicklingError("a file written by torch.save in its legacy format: rename it to .pth")
+    check_expansion(obj, path)  # shared references: every walk after this one visits each path
     return obj
 
 

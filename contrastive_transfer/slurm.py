@@ -20,6 +20,7 @@ passes SIGTERM on to its workers; pretraining then saves a checkpoint and exits 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shlex
@@ -34,15 +35,21 @@ __all__ = ["Rendezvous", "expand_hostlist", "launcher_command", "rendezvous"]
 PORT_BASE, PORT_SPAN = 20000, 20000  # ports 20000-39999, below Linux's ephemeral range (32768+ only in part)
 
 
+MAX_HOSTS = 100_000  # far above any cluster; bounds what a host list may expand to before it is expanded
+
+
 def expand_hostlist(hostlist: str) -> list[str]:
     """SLURM's compressed host list in order: ``gpu[01-03,07],cpu5`` -> gpu01 gpu02 gpu03 gpu07 cpu5.
 
     Written here because the one tool that expands it, ``scontrol show hostnames``, exists only where
     SLURM is installed: the launcher must also run in containers and tests without it. Zero padding
-    follows the range's first bound, as in SLURM; several bracket groups (``r[1-2]n[1-2]``) multiply."""
-    hosts: list[str] = []
-    for item in _top_level_items(hostlist):
-        hosts.extend(_expand_item(item, hostlist))
+    follows the range's first bound, as in SLURM; several bracket groups (``r[1-2]n[1-2]``) multiply,
+    so the hosts are counted from the parsed groups (a product of range lengths) before any is made."""
+    items = [_parse_item(item, hostlist) for item in _top_level_items(hostlist)]
+    count = sum(math.prod(sum(hi - lo + 1 for lo, hi, _ in ranges) for _, ranges in groups) for groups, _ in items)
+    if count > MAX_HOSTS:
+        raise UserError(f"SLURM_JOB_NODELIST={hostlist[:200]!r}: expands to {count} hosts, above {MAX_HOSTS}")
+    hosts = [host for groups, tail in items for host in _expand(groups, tail)]
     if not hosts:
         raise UserError(f"SLURM_JOB_NODELIST={hostlist!r}: expected a host list such as node[01-04]")
     return hosts
@@ -60,25 +67,36 @@ def _top_level_items(hostlist: str) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
-def _expand_item(item: str, whole: str) -> list[str]:
-    match = re.match(r"^([^\[\]]*)\[([^\[\]]+)\](.*)$", item)
-    if match is None:
-        if re.search(r"[\[\]]", item):
-            raise UserError(f"SLURM_JOB_NODELIST={whole!r}: unbalanced brackets in {item!r}")
-        return [item]
-    prefix, ranges, rest = match.groups()
-    out: list[str] = []
-    for part in ranges.split(","):
-        bounds = part.split("-")
-        if not all(b.isdigit() for b in bounds) or len(bounds) > 2:
-            raise UserError(f"SLURM_JOB_NODELIST={whole!r}: {part!r} is not a number or a range a-b")
-        lo, hi = int(bounds[0]), int(bounds[-1])
-        if hi < lo or hi - lo > 100_000:
-            raise UserError(f"SLURM_JOB_NODELIST={whole!r}: range {part!r} is empty or too long")
-        width = len(bounds[0])
-        out.extend(prefix + str(n).zfill(width) for n in range(lo, hi + 1))
-    tails = _expand_item(rest, whole) if rest else [""]
-    return [head + tail for head in out for tail in tails]
+_Groups = list[tuple[str, list[tuple[int, int, int]]]]  # (text before a bracket, its ranges (lo, hi, width))
+
+
+def _parse_item(item: str, whole: str) -> tuple[_Groups, str]:
+    """``r[1-2]n[08-09]x`` -> ([("r", [(1, 2, 1)]), ("n", [(8, 9, 2)])], "x"): nothing expanded."""
+    groups: _Groups = []
+    while (match := re.match(r"^([^\[\]]*)\[([^\[\]]+)\](.*)$", item)) is not None:
+        prefix, ranges, item = match.groups()
+        groups.append((prefix, [_parse_range(part, whole) for part in ranges.split(",")]))
+    if re.search(r"[\[\]]", item):
+        raise UserError(f"SLURM_JOB_NODELIST={whole!r}: unbalanced brackets in {item!r}")
+    return groups, item
+
+
+def _parse_range(part: str, whole: str) -> tuple[int, int, int]:
+    bounds = part.split("-")
+    if len(bounds) > 2 or not all(re.fullmatch(r"[0-9]{1,18}", b) for b in bounds):
+        raise UserError(f"SLURM_JOB_NODELIST={whole!r}: {part!r} is not a number or a range a-b")
+    lo, hi = int(bounds[0]), int(bounds[-1])
+    if hi < lo:
+        raise UserError(f"SLURM_JOB_NODELIST={whole!r}: range {part!r} is empty")
+    return lo, hi, len(bounds[0])
+
+
+def _expand(groups: _Groups, tail: str) -> list[str]:
+    hosts = [""]
+    for prefix, ranges in groups:
+        names = [prefix + str(n).zfill(width) for lo, hi, width in ranges for n in range(lo, hi + 1)]
+        hosts = [head + name for head in hosts for name in names]
+    return [head + tail for head in hosts]
 
 
 @dataclass(frozen=True)
@@ -91,15 +109,21 @@ class Rendezvous:
     job_id: str
 
 
-def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
+MAX_PROCESSES_PER_NODE = 1024
+
+
+def _int(env: Mapping[str, str], key: str, default: int | None = None, high: int = MAX_HOSTS, low: int = 0) -> int:
+    """``env[key]`` as an integer in [low, high], the whole value (``1234; ...`` is not 1234)."""
     value = env.get(key)
     if value is None:
         if default is None:
             raise UserError(f"{key} is not set: run this inside a SLURM job step (srun), one task per node")
         return default
-    match = re.match(r"^\s*(\d+)", value)  # SLURM_GPUS_ON_NODE may read "4(x2)" on some versions
-    if match is None:
-        raise UserError(f"{key}={value!r}: expected a non-negative integer")
+    # SLURM_GPUS_ON_NODE may read "4(x2)" on some versions: that form, and only for it
+    pattern = r"\s*([0-9]{1,9})(\(x[0-9]{1,9}\))?\s*" if key == "SLURM_GPUS_ON_NODE" else r"\s*([0-9]{1,9})\s*"
+    match = re.fullmatch(pattern, value)
+    if match is None or not low <= int(match.group(1)) <= high:
+        raise UserError(f"{key}={value[:80]!r}: expected an integer from {low} to {high}")
     return int(match.group(1))
 
 
@@ -111,10 +135,11 @@ def rendezvous(env: Mapping[str, str], nproc_per_node: int | None = None) -> Ren
     hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
     if len(hosts) != nnodes:
         raise UserError(f"SLURM_JOB_NODELIST lists {len(hosts)} hosts but SLURM_NNODES={nnodes}")
-    job_id = env.get("SLURM_JOB_ID", "0")
-    port = _int(env, "MASTER_PORT", PORT_BASE + _int(env, "SLURM_JOB_ID", 0) % PORT_SPAN)
+    job = _int(env, "SLURM_JOB_ID", 0, high=10**9 - 1)
+    job_id = env.get("SLURM_JOB_ID", "0").strip()
+    port = _int(env, "MASTER_PORT", PORT_BASE + job % PORT_SPAN, high=65535, low=1)
     if nproc_per_node is None:
-        nproc_per_node = _int(env, "SLURM_GPUS_ON_NODE", 1) or 1
+        nproc_per_node = _int(env, "SLURM_GPUS_ON_NODE", 1, high=MAX_PROCESSES_PER_NODE) or 1
     return Rendezvous(nnodes, node_rank, hosts[0], port, nproc_per_node, job_id)
 
 

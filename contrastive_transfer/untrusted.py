@@ -13,6 +13,11 @@ images) opens it here, so the same rules hold at every entry point:
 - **Archive records** (torch zips) are checked against their declared sizes before anything
   inflates them: every record within the kind's cap, no record inflating more than
   ``MAX_INFLATION`` times its stored size (``torch.save`` stores records uncompressed).
+- **Records named once**: an archive with two records of one name is refused, so the record a
+  check reads is the record the loader reads.
+- **Loaded objects bounded in what they expand to** (``check_expansion``): shared references in a
+  pickle make a graph whose paths a plain walk visits one by one (a few hundred bytes of nested
+  ``[x, x]`` hold 2^64 paths); the expanded count is computed once per object and capped.
 - **Tensors** (``tensor_problem``): layout, dtype, shape, strides and storage before any element
   is touched; finiteness after that.
 
@@ -42,6 +47,7 @@ __all__ = [
     "open_untrusted",
     "read_untrusted",
     "check_archive",
+    "check_expansion",
     "check_loaded_tensors",
     "tensor_problem",
     "walk_tensors",
@@ -71,6 +77,13 @@ KINDS: dict[str, Kind] = {
     "features": Kind("a feature array", 32 * GiB),  # ImageNet train's 1.28 M x 2048 float32: ~10 GiB
 }
 
+# What a loaded file may expand to as a tree (every container and value counted once per path that
+# reaches it): a training state of the largest ResNet with its optimizer holds ~10^4, a plain walk of
+# 10^7 takes seconds. Every walk over a loaded object (the tensor checks, the converters) stays below.
+MAX_EXPANDED = 10_000_000
+# Containers within containers: a checkpoint nests ~6 deep (an optimizer's state of a parameter);
+# a recursive walk (Python's, OmegaConf's) stops with a RecursionError near 1,000.
+MAX_NESTING = 100
 MAX_INFLATION = 50  # a deflated record may inflate at most this much (float weights: ~1.1x)
 
 
@@ -182,6 +195,15 @@ def check_archive(f: IO[bytes], path: str | os.PathLike, kind: str) -> bool:
         raise _refuse(path, f"is a damaged zip archive ({e}), expected {spec.what}") from None
     finally:
         f.seek(0)
+    names = [info.filename for info in records]
+    repeated = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if repeated is not None:  # readers differ in which copy they take: the one scanned may not be the one loaded
+        raise _refuse(
+            path,
+            f"archive holds two records named {repeated!r}: readers differ on which one they take (zipfile the last, "
+            f"torch's its own), so what is checked could differ from what is loaded; expected {spec.what} "
+            "with one record per name",
+        )
     total = 0
     for info in records:
         total += info.file_size
@@ -283,6 +305,51 @@ def _non_finite(bad: int, total: int) -> str | None:
     )
 
 
+def _children(item: Any) -> list | None:
+    if isinstance(item, dict):
+        return [*item.keys(), *item.values()]
+    if isinstance(item, (list, tuple, set, frozenset)):
+        return list(item)
+    return None
+
+
+def expanded_size(obj: Any, cap: int = MAX_EXPANDED) -> int | str:
+    """How many nodes a plain recursive walk of ``obj`` visits (containers, keys and values, once
+    per path), counted once per distinct container (memoized by id, so shared references cost
+    nothing here); the reason as a string once it passes ``cap`` or a container contains itself."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # containers whose children are still being counted: the current path
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+    while stack:
+        item, finished = stack.pop()
+        children = _children(item)
+        if children is None:
+            continue
+        key = id(item)
+        if finished:
+            open_.discard(key)
+            sizes[key] = 1 + sum(sizes.get(id(c), 1) for c in children)
+            if sizes[key] > cap:
+                return f"expands to more than {cap} values through shared references (a walk would visit each)"
+        elif key in open_:
+            return f"holds a {type(item).__name__} that contains itself (a walk would never end)"
+        elif len(open_) >= MAX_NESTING:
+            return f"nests containers more than {MAX_NESTING} levels deep (a checkpoint nests a few)"
+        elif key not in sizes:
+            open_.add(key)
+            stack.append((item, True))
+            stack.extend((c, False) for c in children)
+    return sizes.get(id(obj), 1)
+
+
+def check_expansion(obj: Any, path: str | os.PathLike, cap: int = MAX_EXPANDED) -> None:
+    """UnsafeFileError (one line) when a loaded file's objects expand, walked as a tree, beyond
+    ``cap`` nodes or refer to themselves; called before anything walks them."""
+    size = expanded_size(obj, cap)
+    if isinstance(size, str):
+        raise _refuse(path, size)
+
+
 def walk_tensors(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(where, tensor) for every tensor anywhere in a loaded file's containers. The walk is
     iterative: nesting cannot exhaust the stack."""
@@ -304,6 +371,7 @@ def check_loaded_tensors(obj: Any, path: str | os.PathLike, kind: str, file_byte
     fit in the file: a tensor torch.load made from a size the pickle states (``torch.Tensor(n)``)
     rather than from stored bytes is refused before anything touches its memory."""
     _kind(kind)  # a kind the gate knows
+    check_expansion(obj, path)
     storages: dict[tuple[int, int], int] = {}
     for where, item in walk_tensors(obj):
         if item.is_meta:

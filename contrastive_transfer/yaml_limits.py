@@ -6,7 +6,7 @@ Anchors and aliases let a 261-byte recipe expand tenfold per level into gigabyte
 aliased nodes, so composing is linear in the file's size), counts the values and the bytes of text
 the tree would hold after expansion, and refuses a file above ``MAX_YAML_NODES`` values or
 ``MAX_YAML_BYTES`` bytes in one line, before any loader sees it. It also refuses text that is not
-UTF-8 and a top level that is not a mapping of keys.
+UTF-8, a top level that is not a mapping of keys, and nesting deeper than ``MAX_YAML_DEPTH``.
 
 ``_base_`` (recipes) and ``_BASE_`` (detectron2) chains are walked by their readers, which hold the
 same two limits: at most ``MAX_BASE_DEPTH`` files from a config to its deepest base and
@@ -22,6 +22,7 @@ from contrastive_transfer.cli import UserError
 
 MAX_YAML_NODES = 200_000  # the largest real config here has ~1,000
 MAX_YAML_BYTES = 8 * 2**20  # of text after expanding aliases; the largest real config has ~5 kB
+MAX_YAML_DEPTH = 64  # nesting of mappings and lists; the deepest real config has 6 levels
 MAX_BASE_DEPTH = 8  # the deepest real chain here is 3 files
 MAX_BASE_FILES = 32
 
@@ -59,10 +60,27 @@ def decode(data: bytes, where: str) -> str:
         raise YamlLimitError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
 
 
+def _check_depth(text: str, where: str) -> None:
+    """Nesting within MAX_YAML_DEPTH, from the parser's events (which come one at a time, without
+    recursion): a config nested 100,000 levels would end every loader in a RecursionError."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise YamlLimitError(
+                    f"{where}: nests more than {MAX_YAML_DEPTH} levels deep (line {event.start_mark.line + 1}); "
+                    "a config is far shallower"
+                )
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
 def compose_text(text: str, where: str) -> yaml.MappingNode | None:
     """The text's node graph after the checks of the module docstring (None for an empty file or
     a syntax error, which is left to the loader: it names the line)."""
     try:
+        _check_depth(text, where)  # before composing: PyYAML's composer recurses once per level
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError:
         return None

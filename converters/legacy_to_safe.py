@@ -33,7 +33,7 @@ import torch
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError, atomic_write, command
 from contrastive_transfer.safe_load import is_torch_zip, load_pickle, torch_load
-from contrastive_transfer.untrusted import open_untrusted
+from contrastive_transfer.untrusted import check_expansion, open_untrusted
 from converters.checkpoint_io import CheckpointError, carried_metadata
 
 FLAG = "--i-trust-this-file"
@@ -223,6 +223,7 @@ def main(argv: list[str]) -> None:
         loaded = _trusted_load(src)
     except Exception as e:  # the file is trusted but may still be damaged
         raise UserError(f"{src}: cannot be unpickled ({type(e).__name__}: {e}); check the file") from None
+    check_expansion(loaded, src)  # `plain` walks every path: shared references must not multiply them
     dropped: list[str] = []
     widened: list[str] = []
     data = plain(loaded, "", dropped, out.suffix, widened)

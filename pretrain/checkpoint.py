@@ -246,9 +246,27 @@ def load_training_state(path: Path, accelerator, method, optimizer, steps_per_ep
         ) from None
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
-    rngs = state["rng"]
-    set_rng_state(rngs[dist.rank() % len(rngs)])
-    return int(state["step"])
+    _restore_rng(path, state.get("rng"))
+    step = state.get("step")
+    if type(step) is not int or step < 0:
+        raise ResumeError(f"checkpoint {path}: step={step!r:.80}, expected a non-negative integer")
+    return step
+
+
+def _restore_rng(path: Path, rngs: Any) -> None:
+    """This rank's RNG state (one per rank of the saving run; a resume on other ranks reuses them
+    in turn); ResumeError in one line for a list that is empty, not a list, or holds states the
+    generators refuse."""
+    if not isinstance(rngs, list) or not rngs or not all(isinstance(r, dict) for r in rngs):
+        raise ResumeError(
+            f"checkpoint {path}: rng={rngs!r:.80}, expected a non-empty list of RNG states (one per process); "
+            "resume from a checkpoint the project wrote, or start afresh with train.resume=none"
+        )
+    try:
+        set_rng_state(rngs[dist.rank() % len(rngs)])
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ResumeError(f"checkpoint {path}: its RNG state is not one ({reason})") from None
 
 
 def resume_candidates(cfg) -> list[Path]:

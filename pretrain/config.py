@@ -13,7 +13,10 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
+import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -22,7 +25,7 @@ from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
 
-from contrastive_transfer.cli import UserError
+from contrastive_transfer.cli import INPUT_ERRORS, UserError, describe
 from contrastive_transfer.contract import ARCHS, KNN_K, KNN_TEMPERATURE, STEMS
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.paths import check_run_name, escapes
@@ -196,11 +199,11 @@ def _loader(load: Callable[..., DictConfig]) -> Callable[..., DictConfig]:
 def _read_yaml(path: Path, chain: tuple[str, ...] = (), files_read: list[int] | None = None) -> DictConfig:
     """A YAML file merged over its `_base_` file(s) (paths relative to it), recursively; the
     chain bounded and free of loops (contrastive_transfer.yaml_limits)."""
-    path = path.resolve()
+    path = Path(os.path.realpath(path))  # Path.resolve raises RuntimeError on a link loop; the gate names it
     files_read = [0] if files_read is None else files_read
     if chain:
         check_chain(chain, str(path), files_read[0], "_base_")
-    if not path.exists():
+    if not os.path.lexists(path):
         raise ConfigError(f"config file {path} does not exist" + (f" (a _base_ of {chain[-1]})" if chain else ""))
     files_read[0] += 1
     text = decode_yaml(read_untrusted(path, "config"), str(path))  # the gate: a regular file, within its cap
@@ -342,41 +345,139 @@ def saved_config(data: Any, where: str) -> DictConfig:
     ``oc.env`` the moment it is read)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: its config is a {type(data).__name__}, expected a mapping of keys")
+    bad_key = _non_string_key(data)
+    if bad_key is not None:
+        raise ConfigError(
+            f"{where}: its config has the key {bad_key}, expected text keys (a config from YAML has no other)"
+        )
     for key, value in _strings(data):
         if "${" in value:
             raise ConfigError(
                 f"{where}: its config holds {key}={value!r:.80}, an interpolation; configs are stored resolved, "
                 "so this checkpoint was not written by the project as it is"
             )
-    _check_numbers(data, where)
+    _check_numbers(data, where, saved=True)
     return OmegaConf.create(data)
 
 
-# Integers that size memory (a head, a queue, a batch): bounded far above any real recipe, so that
-# a config from elsewhere cannot ask for a 2,000,000-wide head or a billion-entry queue.
-_SIZES = {
-    "method.num_classes": 100_000,
-    "method.dim": 65_536,
-    "method.hidden_dim": 65_536,
-    "method.queue_size": 2**20,
-    "method.bank_size": 2**20,
-    "method.num_negatives": 2**20,
-    "train.batch_size": 2**16,
-    "data.image_size": 4096,
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may take: [low, high], or (low, high] when ``above`` (a
+    temperature or a scale of 0 is no setting)."""
+
+    low: float
+    high: float
+    above: bool = False
+
+    def holds(self, value: float) -> bool:
+        return (self.low < value if self.above else self.low <= value) and value <= self.high
+
+    def __str__(self) -> str:
+        return f"{'(' if self.above else '['}{self.low}, {self.high}]"
+
+
+# Data loader processes per rank: a million forks the machine until it is killed. Tied to this
+# machine's CPUs (a loader gains nothing from more processes than cores), with room for machines
+# whose CPU count is not what the scheduler grants.
+MAX_WORKERS = max(64, 4 * (os.cpu_count() or 1))
+_FRACTION, _TEMPERATURE, _RATE = Range(0, 1), Range(0, 100, above=True), Range(0, 1000)
+_STEPS, _EPOCHS = Range(1, 10**12), Range(1, 10**6)
+
+
+def _non_string_key(node: Any, prefix: str = "", depth: int = 0) -> str | None:
+    """The first key of a mapping (at any level, lists included) that is not a string, shown with
+    where it is; None when there is none. A pickled config may hold tuple or integer keys, which
+    OmegaConf refuses with a multi-line error naming neither."""
+    if depth > MAX_KEY_DEPTH:
+        return f"{prefix} (nested more than {MAX_KEY_DEPTH} levels)"
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        if isinstance(node, dict) and not isinstance(k, str):
+            return f"{k!r:.80} under {prefix or 'the top level'}"
+        found = _non_string_key(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+# Every numeric key of a pretraining config and the range it must lie in, checked when the config
+# resolves and when a saved config is read (``_check_numbers``); ``N`` stands for a list's index.
+# Far above any real recipe, so a config from elsewhere cannot ask for a 2,000,000-wide head, a
+# billion-entry queue or a million loader processes. tests/pretrain/test_config_ranges.py fails for
+# a numeric key of any method or loss that has none.
+RANGES: dict[str, Range] = {
+    "data.image_size": Range(1, 4096),
+    "data.max_bad_fraction": _FRACTION,
+    "data.min_crop_scale": Range(0, 1, above=True),
+    "data.num_workers": Range(0, MAX_WORKERS),
+    "knn.every_epochs": _EPOCHS,
+    "knn.k": Range(1, 100_000),
+    "knn.temperature": _TEMPERATURE,
+    "method.bank_lr": _RATE,
+    "method.bank_momentum": _FRACTION,
+    "method.bank_size": Range(1, 2**20),
+    "method.bank_temperature": _TEMPERATURE,
+    "method.bank_weight_decay": _FRACTION,
+    "method.bn_splits": Range(1, 1024),
+    "method.dim": Range(1, 65_536),
+    "method.hidden_dim": Range(1, 65_536),
+    "method.label_smoothing": _FRACTION,
+    "method.loss.eqco_alpha": Range(0, 2**20, above=True),
+    "method.loss.inter_temperature": _TEMPERATURE,
+    "method.loss.sigma": _TEMPERATURE,
+    "method.momentum": _FRACTION,
+    "method.num_classes": Range(1, 100_000),
+    "method.num_negatives": Range(1, 2**20),
+    "method.query_crop_max_scales.N": Range(0, 1, above=True),
+    "method.query_crop_min_scales.N": Range(0, 1, above=True),
+    "method.queue_size": Range(1, 2**20),
+    "method.temperature": _TEMPERATURE,
+    "optim.final_lr": _RATE,
+    "optim.lars_eta": _FRACTION,
+    "optim.lr": _RATE,
+    "optim.milestones.N": Range(0, 10**6),
+    "optim.momentum": _FRACTION,
+    "optim.reference_batch": Range(1, 2**16),
+    "optim.warmup_epochs": Range(0, 10**6),
+    "optim.weight_decay": _FRACTION,
+    "train.batch_size": Range(1, 2**16),
+    "train.checkpoint_every": _STEPS,
+    "train.diagnostics_every": _STEPS,
+    "train.dist_timeout_minutes": Range(1, 7 * 24 * 60),
+    "train.epochs": _EPOCHS,
+    "train.log_every": _STEPS,
+    "train.max_steps": _STEPS,
+    "train.seed": Range(0, 2**32 - 1),  # numpy's seeds are 32-bit
 }
+# Keys whose range depends on the machine that reads the config: a saved config is not held to them.
+_MACHINE_KEYS = ("data.num_workers",)
+
+
+def range_of(key: str) -> Range | None:
+    """The range of a dotted key (a list's items under ``key.N``), None for a key with none."""
+    return RANGES.get(key) or RANGES.get(re.sub(r"\.[0-9]+$", ".N", key))
 
 
 def _numbers(node: Any) -> Iterator[tuple[str, Any]]:
     return ((k, v) for k, v in _leaves(node) if isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
-def _check_numbers(container: Any, where: str) -> None:
-    """Every number finite (``.nan`` and ``.inf`` are YAML too), every size within ``_SIZES``."""
+def _check_numbers(container: Any, where: str, saved: bool = False) -> None:
+    """Every number finite (``.nan`` and ``.inf`` are YAML too) and within its key's range
+    (``RANGES``), in one line naming the key, the value and the range."""
     for key, value in _numbers(container):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{where}: {key}={value!r}: expected a finite number")
-        if key in _SIZES and not 0 <= value <= _SIZES[key]:
-            raise ConfigError(f"{where}: {key}={value!r}: expected an integer up to {_SIZES[key]}")
+        allowed = range_of(key)
+        if allowed is not None and not (saved and key in _MACHINE_KEYS) and not allowed.holds(value):
+            raise ConfigError(f"{where}: {key}={_shown(value)}: expected a value in {allowed}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: Python refuses to print an integer of more than 4,300 digits."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    return f"{value!r:.80}"
 
 
 def _unresolvable(cfg: DictConfig, error: OmegaConfBaseException, where: str) -> ConfigError:
@@ -450,11 +551,23 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), num_processes: 
     return cfg
 
 
+MAX_KEY_DEPTH = 16  # the deepest key of any config is 5 levels (data.views.0.crop.scale)
+
+
 def _parse_overrides(overrides: Iterable[str]) -> dict:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. train.batch_size=64)")
-    given = OmegaConf.to_container(OmegaConf.from_dotlist(upgrade_overrides(list(overrides))), resolve=False)
+    upgraded = upgrade_overrides(list(overrides))
+    for override in upgraded:  # each alone first, so that a refusal names the override
+        key, _, value = override.partition("=")
+        if key.count(".") >= MAX_KEY_DEPTH:
+            raise ConfigError(f"override {override[:80]!r}: a key {key.count('.') + 1} levels deep; no key is deeper")
+        try:
+            OmegaConf.from_dotlist([override])
+        except (*INPUT_ERRORS, OmegaConfBaseException) as e:
+            raise ConfigError(f"override {override[:80]!r}: cannot read its value ({describe(e)[:200]})") from None
+    given = OmegaConf.to_container(OmegaConf.from_dotlist(upgraded), resolve=False)
     _check_interpolations(given, "override")
     return given
 

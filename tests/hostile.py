@@ -5,11 +5,19 @@ A *mutant* is made from nothing but its kind: ``MUTANTS[kind]`` lists ``(name, m
 FIFO, a link to a device or a directory there). They are the attacks the issue lists, each
 generated the same way for every kind: special files, truncation, inflation, wrong types,
 huge and non-finite numbers, complex dtypes, stride-0 views, bad encodings.
+
+Structural mutants (issue 48) are generated from the valid file's structure rather than listed:
+links (dangling, a loop) for every kind; for archives, a record duplicated under its name; for
+pickles, shared references whose paths multiply, a container holding itself, nesting beyond any
+walk; a wrong type at every top-level key of a state; for text formats, nesting 100,000 deep and
+integers of more than 4,300 digits; for file indexes (``file_index_mutants``), array headers
+declaring more than their records hold.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shlex
@@ -304,6 +312,198 @@ def _valid_jpeg() -> bytes:
     return buffer.getvalue()
 
 
+# ------------------------------------------------------------------------------ structural mutants
+
+
+Mutant = tuple[str, Callable[[Path], None]]
+STRUCTURAL: set[str] = set()  # the names of the structural mutants, for the sample `make test` draws
+
+
+def structural(made: list[Mutant]) -> list[Mutant]:
+    STRUCTURAL.update(name for name, _ in made)
+    return made
+
+
+# A dangling link and a link to itself (the open fails with ELOOP): every kind, every reader.
+LINKS: list[Mutant] = structural(
+    [
+        ("dangling_link", lambda path: path.symlink_to(path.with_name(path.name + ".gone"))),
+        ("link_loop", lambda path: path.symlink_to(path.name)),
+    ]
+)
+
+
+def shared_paths(levels: int, leaf: object = 0) -> list:
+    """``[x, x]`` nested ``levels`` deep: a few bytes a level in a pickle (its memo refers to x
+    again), 2^levels paths for any walk that follows them."""
+    x = [leaf]
+    for _ in range(levels):
+        x = [x, x]
+    return x
+
+
+def self_containing() -> list:
+    x: list = [1]
+    x.append(x)
+    return x
+
+
+def nested_pickle(levels: int) -> bytes:
+    """A protocol-2 pickle of ``{"x": [[[...]]]}`` nested ``levels`` deep, written opcode by opcode
+    (Python's pickler recurses per level and cannot write it): EMPTY_DICT, the key, one EMPTY_LIST
+    per level, an APPEND per level to fold them, SETITEM, STOP."""
+    return b"\x80\x02}X\x01\x00\x00\x00x" + b"]" * levels + b"a" * (levels - 1) + b"s."
+
+
+def with_pickle(valid: bytes, data_pkl: bytes, twice: bool = False) -> bytes:
+    """The torch zip ``valid`` with its ``data.pkl`` replaced by ``data_pkl``, or, with ``twice``,
+    kept and followed by a second record of the same name holding ``data_pkl`` (the copy Python's
+    zipfile reads; torch's reader may take the other)."""
+    source = zipfile.ZipFile(io.BytesIO(valid))
+    entries = []
+    for info in source.infolist():
+        data = source.read(info)
+        is_pkl = info.filename.endswith("/data.pkl")
+        if is_pkl and not twice:
+            data = data_pkl
+        entries.append((info.filename, data, 0, len(data), zlib.crc32(data)))
+        if is_pkl and twice:
+            entries.append((info.filename, data_pkl, 0, len(data_pkl), zlib.crc32(data_pkl)))
+    return _zip(entries)
+
+
+def _data_pkl(obj) -> bytes:
+    archive = zipfile.ZipFile(io.BytesIO(torch_bytes(obj)))
+    return archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+
+
+def _wrong_type_at_every_key(valid: Callable[[], dict]) -> list[Mutant]:
+    """One mutant per top-level key of ``valid()``, its value replaced by a value of another kind
+    (a string for a container or number, a list of strings for a string or tensor)."""
+    out = []
+    for key, value in valid().items():
+        wrong = ["x", "y"] if isinstance(value, (str, torch.Tensor)) else "x"
+        out.append((f"wrong_type_at_{key}", _bytes(lambda key=key, wrong=wrong: torch_bytes({**valid(), key: wrong}))))
+    return out
+
+
+def _torch_structural(valid: Callable[[], dict], weights: bool) -> list[Mutant]:
+    out = [
+        ("shared_references_2_64_paths", _bytes(lambda: torch_bytes({**valid(), "x": shared_paths(64)}))),
+        ("list_containing_itself", _bytes(lambda: torch_bytes({**valid(), "x": self_containing()}))),
+        ("nested_100000_deep", _bytes(lambda: with_pickle(torch_bytes(valid()), nested_pickle(100_000)))),
+        (
+            "data_pkl_twice",
+            _bytes(lambda: with_pickle(torch_bytes(valid()), _data_pkl({**valid(), "x": 1}), twice=True)),
+        ),
+    ]
+    # a weights file's keys are the model's ~100 tensors: three stand for them (first, middle, last)
+    return structural(out + (_wrong_type_at_every_key(valid) if not weights else []))
+
+
+def _weights_wrong_types() -> list[Mutant]:
+    keys = [k for k, v in resnet18_state().items() if v.is_floating_point()]  # BN counters are not weights
+    return structural(
+        [
+            (f"wrong_type_at_{key}", _bytes(lambda key=key: torch_bytes({**resnet18_state(), key: ["x"]})))
+            for key in (keys[0], keys[len(keys) // 2], keys[-1])
+        ]
+    )
+
+
+def _pkl_structural() -> list[Mutant]:
+    level: dict = {"w": np.zeros(1, np.float32)}
+    for _ in range(12):  # 40^12 paths, 40^6 within the converters' depth bound of 6 containers
+        level = {str(i): level for i in range(40)}
+    return structural([("pkl_shared_references", _bytes(_pkl(level)))])
+
+
+def rgba16_png(side: int = 1 << 14) -> bytes:
+    """A 16-bit RGBA PNG header of ``side`` x ``side`` pixels (the pixel limit unless told): 8 bytes
+    a pixel decoded and converted."""
+    data = bytearray(bomb_png(side, side))
+    data[24:26] = bytes([16, 6])  # IHDR bit depth 16, colour type 6 (RGBA)
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
+    return bytes(data)
+
+
+HUGE_INT = b"1" * 5000  # Python refuses to read an integer of more than 4,300 digits as text
+
+
+def file_index_mutants() -> list[Mutant]:
+    """A pretraining file index (``.npz``): special files, links, and structural mutants of its
+    arrays (read in process by ``FileIndex.load``: a run rebuilds an index it cannot use)."""
+
+    def npz(**changes) -> Callable[[Path], None]:
+        def make(path: Path) -> None:
+            arrays = {"blob": np.frombuffer(b"ab", np.uint8), "offsets": np.array([0, 2], np.int64)}
+            arrays |= {"labels": np.array([0], np.int32), "classes": np.array(["a"]), "root": np.array("data")}
+            records = []
+            for name, array in {**arrays, **changes}.items():
+                buffer = io.BytesIO()
+                if isinstance(array, dict):  # a header only: declares what the record does not hold
+                    np.lib.format.write_array_header_1_0(buffer, array)
+                    buffer.write(bytes(16))
+                else:
+                    np.lib.format.write_array(buffer, array, allow_pickle=True)
+                data = buffer.getvalue()
+                records.append((f"{name}.npy", data, 0, len(data), zlib.crc32(data)))
+            if "twice" in changes:
+                records = [r for r in records if r[0] != "twice.npy"]
+                records.append(next(r for r in records if r[0] == "offsets.npy"))
+            path.write_bytes(_zip(records))
+
+        return make
+
+    header = {"descr": "<i8", "fortran_order": False, "shape": (10**12,)}
+    return (
+        SPECIAL
+        + LINKS
+        + [
+            ("header_declares_10_to_the_12", npz(offsets=header)),
+            ("header_declares_2d_10_to_the_6_squared", npz(labels={**header, "shape": (10**6, 10**6)})),
+            ("object_array", npz(labels=np.array([object(), 1], dtype=object))),
+            ("record_twice", npz(twice=np.zeros(1))),
+            ("truncated", lambda path: (npz()(path), path.write_bytes(path.read_bytes()[:100]))),
+            ("wrong_dtypes", npz(offsets=np.array([0.0, 2.0]))),
+        ]
+    )
+
+
+def valid_run() -> dict:
+    """A line of a benchmark's runs file (``benchmarks/claims_runs.jsonl``), as the benchmark writes it."""
+    return {
+        "preset": "digits",
+        "recipe": "tiny_simclr",
+        "seed": 0,
+        "knn_top1": 60.0,
+        "random_knn_top1": 40.0,
+        "linear_top1": 70.0,
+        "seconds": 120.0,
+        "config_hash": "h0",
+    }
+
+
+def _runs_mutants() -> list[Mutant]:
+    """A runs file: its text broken, then a wrong type at every key of a run and each key missing."""
+
+    def lines(*rows) -> Callable[[Path], None]:
+        return _bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+
+    out = [
+        ("not_utf8", _bytes(b'{"recipe": "\xff"}\n')),
+        ("deep", _bytes(b"[" * 100_000 + b"\n")),
+        ("integer_of_5000_digits", _bytes(b'{"seed": ' + HUGE_INT + b"}\n")),
+        ("row_is_a_list", lines(valid_run(), [1, 2])),
+    ]
+    for key, value in valid_run().items():
+        wrong = ["x"] if isinstance(value, str) else "x"
+        out.append((f"wrong_type_at_{key}", lines(valid_run(), {**valid_run(), key: wrong})))
+        if key != "preset":  # optional: a run without one is the learning table's (preset small)
+            out.append((f"missing_{key}", lines({k: v for k, v in valid_run().items() if k != key})))
+    return structural(out)
+
+
 def mutants() -> dict[str, list[tuple[str, Callable[[Path], None]]]]:
     """Every kind's mutants: the special files for all, then the kind's own."""
     valid_jpeg = _valid_jpeg()
@@ -313,24 +513,58 @@ def mutants() -> dict[str, list[tuple[str, Callable[[Path], None]]]]:
         ("pkl_strings", _bytes(_pkl({"stem.conv1.weight": np.array(["a", "b"])}))),
         ("pkl_truncated", _bytes(lambda: _pkl({"w": np.zeros(100, np.float32)})()[:60])),
     ]
+    weights += _torch_structural(resnet18_state, weights=True) + _weights_wrong_types() + _pkl_structural()
     return {
-        "weights": SPECIAL + weights,
-        "training state": SPECIAL + _torch_mutants(training_state, weights=False),
-        "probe state": SPECIAL + _torch_mutants(probe_state, weights=False),
-        "list": SPECIAL + [("not_utf8", _bytes(b"\xff\xfe a 0\n")), ("escapes", _bytes(b"../../../../etc/passwd 0\n"))],
+        "weights": SPECIAL + LINKS + weights,
+        "training state": SPECIAL
+        + LINKS
+        + _torch_mutants(training_state, weights=False)
+        + _torch_structural(training_state, weights=False),
+        "probe state": SPECIAL
+        + LINKS
+        + _torch_mutants(probe_state, weights=False)
+        + _torch_structural(probe_state, weights=False),
+        "list": SPECIAL
+        + LINKS
+        + [
+            ("not_utf8", _bytes(b"\xff\xfe a 0\n")),
+            ("escapes", _bytes(b"../../../../etc/passwd 0\n")),
+        ]
+        + structural([("label_of_5000_digits", _bytes(b"a/b.jpg " + HUGE_INT + b"\n"))]),
         # a directory named like an image is a folder the scan enters, not a file it expects
         "image": [m for m in SPECIAL if m[0] != "directory"]
         + [
             ("bomb_png", _bytes(bomb_png)),
             ("bomb_jpeg", _bytes(bomb_jpeg(valid_jpeg))),
             ("truncated_jpeg", _bytes(valid_jpeg[: len(valid_jpeg) // 3])),
-        ],
+        ]
+        + structural([("rgba16_png_at_the_pixel_limit", _bytes(rgba16_png))]),
         "config": SPECIAL
+        + LINKS
         + [
             ("not_utf8", _bytes(b"name: \xff\xfe\n")),
             ("alias_bomb", _bytes(ALIAS_BOMB.encode())),
             ("python_tag", _bytes(b"name: !!python/object/apply:os.system ['true']\n")),
-        ],
+        ]
+        + structural(
+            [
+                ("nested_100000_deep", _bytes(b"name: " + b"[" * 100_000 + b"]" * 100_000 + b"\n")),
+                ("integer_of_5000_digits", _bytes(b"train:\n  seed: " + HUGE_INT + b"\n")),
+                ("wrong_type_at_the_top", _bytes(b"- name\n- x\n")),
+            ]
+        ),
         "log": SPECIAL
-        + [("not_utf8", _bytes(b'{"step": 1, "loss": \xff}\n')), ("deep", _bytes(b"[" * 100_000 + b"\n"))],
+        + LINKS
+        + [
+            ("not_utf8", _bytes(b'{"step": 1, "loss": \xff}\n')),
+            ("deep", _bytes(b"[" * 100_000 + b"\n")),
+        ]
+        + structural(
+            [
+                ("integer_of_5000_digits", _bytes(b'{"step": ' + HUGE_INT + b"}\n")),
+                ("row_is_a_list", _bytes(b"[1, 2]\n")),
+                ("step_of_the_wrong_type", _bytes(b'{"step": "1", "loss": 0.5}\n')),
+            ]
+        ),
+        "runs": SPECIAL + LINKS + _runs_mutants(),
     }

@@ -752,13 +752,13 @@ def test_a_checkpoints_config_calls_no_resolver_when_analysed(spelling, tmp_path
 
 def number_mutants(valid: dict, rng: random.Random, n: int):
     """(key path, value): a size far beyond any recipe, or a float that is not finite."""
-    from pretrain.config import _SIZES
+    from pretrain.config import RANGES
 
     floats = [p for p, v in _leaves(valid) if isinstance(v, float)]
     for _ in range(n):
         if rng.random() < 0.5:
-            key = rng.choice(sorted(_SIZES))
-            yield tuple(key.split(".")), rng.choice([_SIZES[key] + 1, 10**12, 2**63])
+            key = rng.choice(sorted(k for k in RANGES if RANGES[k].high >= 2**16 and not k.endswith(".N")))
+            yield tuple(key.split(".")), rng.choice([RANGES[key].high + 1, 10**13, 2**63])
         else:
             yield rng.choice(floats), rng.choice([float("nan"), float("inf"), -float("inf")])
 

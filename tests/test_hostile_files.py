@@ -37,8 +37,10 @@ import pytest
 from .hostile import (
     BOMB_INFLATED,
     SPECIAL,
+    STRUCTURAL,
     bomb_jpeg,
     bomb_png,
+    file_index_mutants,
     legacy_declaring,
     legacy_growing,
     legacy_unreferenced,
@@ -286,14 +288,27 @@ ENTRY_POINTS = [
         lambda c, x: ["-m", "pretrain", "--config", str(x), "--print-config"],
     ),
     EntryPoint("curves", "log", _metrics_log, lambda c, x: ["-m", "pretrain.analysis", "curves", str(x.parent)]),
+    EntryPoint(
+        "claims_runs",
+        "runs",
+        _plain("claims_runs.jsonl"),
+        lambda c, x: (
+            ["-m", "benchmarks.claims", "--learning-runs", str(c.inputs / "none.jsonl"), "--runs", str(x)]
+            + ["--plan", "--out", str(c.out / "claims.md")]
+        ),
+    ),
 ]
 
 CASES = [(entry, name) for entry in ENTRY_POINTS for name, _ in MUTANTS[entry.kind]]
 
 
 def _sample() -> list[tuple[EntryPoint, str]]:
+    """SAMPLE cases of all, and as many of the structural mutants (issue 48), drawn with SEED."""
     quick = [c for c in CASES if not c[0].slow_start]
-    return random.Random(SEED).sample(quick, min(SAMPLE, len(quick)))
+    rng = random.Random(SEED)
+    drawn = rng.sample(quick, min(SAMPLE, len(quick)))
+    structural = [c for c in quick if c[1] in STRUCTURAL and c not in drawn]
+    return drawn + rng.sample(structural, min(SAMPLE, len(structural)))
 
 
 def _id(case: tuple[EntryPoint, str]) -> str:
@@ -433,6 +448,27 @@ def test_every_mutant_through_every_command_line(case, tmp_path, synthetic_root,
 def test_every_kind_has_mutants_and_an_entry_point():
     assert {e.kind for e in ENTRY_POINTS} == set(MUTANTS)
     assert all(len(MUTANTS[k]) > len(SPECIAL) for k in MUTANTS)
+    # every kind has structural mutants (issue 48), and every one of them has an entry point
+    assert all({name for name, _ in MUTANTS[k]} & STRUCTURAL for k in MUTANTS)
+    assert {name for _, name in CASES} >= STRUCTURAL - {name for name, _ in file_index_mutants()}
+
+
+@pytest.mark.parametrize("name", [name for name, _ in file_index_mutants()])
+def test_every_file_index_mutant_is_one_line(name, tmp_path):
+    """In process: pretraining rebuilds an index it cannot read, so its command line would hide
+    the refusal; ``FileIndex.load`` (what a resumed run and the other processes call) must give it
+    in one line naming the file, within a few seconds, before numpy reserves what a header declares."""
+    from contrastive_transfer.cli import UserError
+    from contrastive_transfer.file_index import FileIndex
+
+    path = tmp_path / "file_index.npz"
+    dict(file_index_mutants())[name](path)
+    start = time.monotonic()
+    with pytest.raises((UserError, OSError)) as e:
+        FileIndex.load(path, "data")
+    assert time.monotonic() - start < 10
+    message = str(e.value) if isinstance(e.value, UserError) else f"{e.value.strerror}: {e.value.filename}"
+    assert path.name in message and "\n" not in message, message
 
 
 # ---------------------------------------------------------------------------------------- controls

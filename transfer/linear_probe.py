@@ -182,7 +182,9 @@ def check_divergence(loss: float, first: float | None, lr: float) -> float:
     return loss if first is None else first
 
 
-_PROBE_STATE_KEYS = ("identity", "head", "optimizer", "history", "epoch")
+# The keys of a probe state and their types: a state from elsewhere with another type at one is
+# one line naming it, not an AttributeError where it is first used.
+_PROBE_STATE_KEYS = {"identity": dict, "head": dict, "optimizer": dict, "history": list, "epoch": int}
 
 
 def _read_probe_state(path: Path) -> dict:
@@ -201,6 +203,13 @@ def _read_probe_state(path: Path) -> dict:
             f"{path} is not a linear probe state (expected the keys {', '.join(_PROBE_STATE_KEYS)}); "
             "remove it to start afresh, or choose another --output-dir"
         )
+    for key, kind in _PROBE_STATE_KEYS.items():
+        history_ok = key != "history" or all(isinstance(h, dict) for h in state[key])
+        if not isinstance(state[key], kind) or isinstance(state[key], bool) or not history_ok:
+            raise UserError(
+                f"{path}: {key} is a {type(state[key]).__name__}{'' if history_ok else ' of non-mappings'}, "
+                f"expected a {kind.__name__}: not a linear probe state this tool wrote; remove it to start afresh"
+            )
     return state
 
 
@@ -377,7 +386,9 @@ def save_state(probe: Probe, epoch: int, history: list[dict], partial: dict | No
 def run(s: ProbeSettings) -> dict:
     """The probe from ``s``, resumed from its state when asked; returns the metrics record."""
     path = s.output_dir / PROBE_STATE
-    exists = decided_by_rank0(os.path.lexists(path))  # rank 0's disk: the one written to
+    # lexists: a link that leads nowhere (or to itself) is there, read through the gate and named; rank 0's
+    # disk decides: the one written to
+    exists = decided_by_rank0(os.path.lexists(path))
     if exists and not s.resume:
         raise UserError(f"{path} exists: pass --resume to continue it, or choose another --output-dir")
     refuse_replacing_metrics(s.output_dir / "metrics.json", path, s.resume)

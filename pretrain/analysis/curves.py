@@ -62,6 +62,8 @@ def read_metrics(path: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise AnalysisError(f"{path} line {number}: not JSON ({e.msg}): {line[:80]!r}") from None
+        except ValueError as e:  # an integer of more than 4,300 digits
+            raise AnalysisError(f"{path} line {number}: not JSON ({' '.join(str(e).split())[:120]})") from None
         except RecursionError:  # json's parser recurses per nesting level
             raise AnalysisError(f"{path} line {number}: nested too deeply, expected a flat object of metrics") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):

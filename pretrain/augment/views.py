@@ -151,6 +151,8 @@ def resolve(augmentation: str, views) -> list[dict]:
             "data.views: expected null (the preset's), a list of views, or edits by view index "
             "(e.g. data.views.0.jitter.p=0.5)"
         )
+    if len(views) > MAX_VIEWS:
+        raise ViewError(f"data.views: {len(views)} views, expected at most {MAX_VIEWS}")
     resolved = [dict(views[0]), dict(views[0])] if len(views) == 1 else [dict(v) for v in views]
     for key, change in (edits or {}).items():
         if not (key == "all" or (str(key).isdigit() and int(key) < len(resolved))) or not isinstance(change, dict):
@@ -175,6 +177,12 @@ def _edit(view: dict, edits: dict) -> dict:
     return out
 
 
+# Parameters that size memory or work per image: a crop of 10^5 pixels a side, a blur kernel of 10^6
+# taps. Bounded like data.image_size (pretrain.config.RANGES), far above any recipe.
+_BOUNDED = {"crop": {"size": 4096}, "blur": {"kernel": 1023}}
+MAX_VIEWS = 64  # views per image (multi-crop uses 2 + a few); each is decoded, augmented and encoded
+
+
 def check_view(view, where: str) -> None:
     if not isinstance(view, dict) or not view:
         raise ViewError(f"{where}: expected a mapping of op names to parameters, e.g. {{crop: {{scale: [0.2, 1]}}}}")
@@ -189,6 +197,10 @@ def check_view(view, where: str) -> None:
             raise ViewError(
                 f"{where}.{name}.{unknown[0]}: unknown parameter; allowed: {', '.join(sorted(OPS[name].defaults))}"
             )
+        for param, high in _BOUNDED.get(name, {}).items():
+            value = params.get(param)
+            if value is not None and (type(value) is not int or not 1 <= value <= high):
+                raise ViewError(f"{where}.{name}.{param}={value!r:.80}: expected an integer from 1 to {high}")
         p = params.get("p")
         if p is not None and not (isinstance(p, (int, float)) and 0 <= p <= 1):
             raise ViewError(f"{where}.{name}.p={p!r}: expected a probability in [0, 1]")

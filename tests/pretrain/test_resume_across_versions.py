@@ -146,6 +146,23 @@ def test_a_saved_config_that_cannot_be_upgraded_is_refused_in_one_line(old_run):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "rng, word", [([], "rng=[]"), ({"torch": 1}, "rng={'torch': 1}"), ([{"torch": 5}], "RNG state")]
+)
+def test_a_resume_state_with_an_empty_or_wrong_rng_list_is_one_line(old_run, rng, word):
+    """The issue's case: an empty RNG list ended in ZeroDivisionError (rank % 0). Control: the
+    same state with its own list resumes (the test above)."""
+    state = torch.load(OLD, weights_only=False)
+    assert isinstance(state["rng"], list) and len(state["rng"]) == 1
+    state["rng"] = rng
+    torch.save(state, old_run / LAST_NAME)
+    with mock.patch("pretrain.methods.simclr.build_encoder", maker.tiny_build_encoder):
+        with pytest.raises(ResumeError) as e:
+            train(_cfg(old_run), Accelerator(cpu=True))
+    assert str(e.value).startswith(f"checkpoint {old_run / LAST_NAME}") and word in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def _experiment_now(*overrides: str) -> dict:
     cfg = load_config(RECIPES / f"{maker.RECIPE}.yaml", [*maker.OVERRIDES, "train.max_steps=1", *overrides])
     return experiment(OmegaConf.to_container(cfg))

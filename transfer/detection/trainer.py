@@ -16,12 +16,16 @@ from detectron2.evaluation import COCOEvaluator, PascalVOCDetectionEvaluator
 from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
-from contrastive_transfer.cli import UserError
+from contrastive_transfer.cli import QuietInputErrors, UserError
 from contrastive_transfer.images import check_image, decoding
 from contrastive_transfer.preempt import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, Preempted, PreemptSignals
 from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
 
 logger = logging.getLogger("detectron2")
+# detectron2's training loop logs "Exception during training:" with the traceback of whatever stops
+# it before raising it on: a failure of input (a bad image, a VOC <size> that is not the image's)
+# is then our one line only (contrastive_transfer.cli.QuietInputErrors).
+logging.getLogger("detectron2.engine.train_loop").addFilter(QuietInputErrors())
 
 # Pretrained ResNet body tensors in a detection model: the stem and the res2..res5 blocks, under
 # backbone.(bottom_up.) for FPN and C4, and under roi_heads.res5 for C4 (the extra
