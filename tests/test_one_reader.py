@@ -522,6 +522,8 @@ READ_ALLOWED = {
     ("contrastive_transfer/untrusted.py", "os.open"): "the gate's own open: its flags hold O_NOFOLLOW (a getattr)",
     ("contrastive_transfer/untrusted.py", "zipfile.ZipFile"): "check_archive's f: a descriptor the gate opened",
     ("contrastive_transfer/safe_load.py", "zipfile.ZipFile"): "torch_load's f: the descriptor the gate checked",
+    ("contrastive_transfer/file_index.py", "zipfile.ZipFile"): "check_array_headers' f: the file index the gate "
+    "opened (FileIndex.load)",
     ("contrastive_transfer/safe_load.py", "safe_open"): "the descriptor the gate checked, by its /proc/self/fd name",
     ("benchmarks/pretraining.py", "Image.open"): (
         "MoCo's plain loader, timed as the baseline on images the benchmark rendered itself; the project's "
