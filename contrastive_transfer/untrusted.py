@@ -68,6 +68,7 @@ KINDS: dict[str, Kind] = {
     "log": Kind("a metrics log", 1 * GiB),  # metrics.jsonl of a long run: a few MiB
     "image": Kind("an image", 256 * MiB),  # a 16k x 16k JPEG is well below
     "file index": Kind("a file index", 2 * GiB),  # ImageNet's 1.28 M images: ~50 MiB
+    "shard": Kind("a tar shard", 64 * GiB),  # WebDataset's advice: 100 MiB to a few GiB per shard
 }
 
 MAX_INFLATION = 50  # a deflated record may inflate at most this much (float weights: ~1.1x)
