@@ -43,6 +43,7 @@ import numpy as np
 from contrastive_transfer.cli import UserError, atomic_write, write_json
 from contrastive_transfer.file_index import FileIndex
 from contrastive_transfer.json_limits import read_json
+from contrastive_transfer.members import forget
 from contrastive_transfer.paths import escapes, printable
 from contrastive_transfer.untrusted import KINDS, open_untrusted
 
@@ -241,6 +242,7 @@ def index_shards(root: str | os.PathLike) -> Sharded:
     if not paths:
         raise ShardError(f"{root}: no shards (expected PREFIX-NNNNNN.tar files or a pattern ending in .tar)")
     manifest = _manifest(paths)
+    forget(paths)  # descriptors kept from an earlier index of these paths: the files may have been replaced
     names, labels, locations, keys, rows = [], [], [], [], []
     for number, shard in enumerate(paths):
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from contrastive_transfer.cli import UserError
 from contrastive_transfer.file_index import FileIndex
 from contrastive_transfer.images import open_rgb
 from contrastive_transfer.members import Member
-from contrastive_transfer.paths import inside, read_text, scan_image_folder
+from contrastive_transfer.paths import escapes, inside, read_text, scan_image_folder
 from contrastive_transfer.shards import index_shards, is_sharded, read_label_row
 
 PLACES205_LISTS = "trainvalsplit_places205"
@@ -116,7 +117,8 @@ def read_places205(root: str | os.PathLike, split: str) -> ImageList:
             f"{listing}: missing (expected the Places205 file list "
             f"{PLACES205_LISTS}/{{train,val}}_places205.csv under --data-root)"
         )
-    paths, labels = [], []
+    images = root / PLACES205_IMAGES
+    names, labels = [], []  # names relative to images: packed as they are (2.45 M lines: no Path per line)
     for n, line in enumerate(read_text(listing, "Places205 list").splitlines(), 1):
         if not line.strip():
             continue
@@ -130,17 +132,19 @@ def read_places205(root: str | os.PathLike, split: str) -> ImageList:
             raise DatasetError(
                 f"{listing}:{n}: label {parts[1]} is not a Places205 class (expected 0 to {PLACES205_CLASSES - 1})"
             )
-        paths.append(str(inside(root / PLACES205_IMAGES, parts[0], f"{listing}:{n}")))
+        if escapes(parts[0]):
+            inside(images, parts[0], f"{listing}:{n}")  # the one line naming the list, the line and the path
+        names.append(parts[0])
         labels.append(int(parts[1]))
-    if not paths:
+    if not names:
         raise DatasetError(f"{listing}: no images listed")
     # Class names from the folder part of the paths (``a/abbey/x.jpg`` → ``a/abbey``), by label.
-    names: dict[int, str] = {}
-    for p, y in zip(paths, labels):
-        if y not in names:
-            names[y] = str(Path(p).relative_to(root / PLACES205_IMAGES).parent)
-    classes = [names.get(y, str(y)) for y in range(max(labels) + 1)]
-    return ImageList(FileIndex.from_samples(root / PLACES205_IMAGES, zip(paths, labels), classes))
+    folders: dict[int, str] = {}
+    for name, y in zip(names, labels):
+        if y not in folders:
+            folders[y] = posixpath.dirname(name) or "."
+    classes = [folders.get(y, str(y)) for y in range(max(labels) + 1)]
+    return ImageList(FileIndex.from_samples(images, zip(names, labels), classes))
 
 
 @dataclass
