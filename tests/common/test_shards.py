@@ -291,3 +291,23 @@ def test_the_fast_path_of_the_path_check_agrees_with_parsing_every_short_name():
         for chars in itertools.product("a/\\.:~\x00", repeat=n):
             name = "".join(chars)
             assert (escapes(name) is not None) == parsed(name), repr(name)
+
+
+def test_the_places205_probe_on_shards_trains_the_folders_head(synthetic_root, random_checkpoint, tmp_path):
+    """One epoch of the linear probe (random crops and flips, seeded) on the Places205 lists and on
+    their shards: the same head, bit for bit."""
+    from transfer import linear
+
+    shards = tmp_path / "places"
+    for split in ("train", "val"):
+        write_shards.main([str(synthetic_root / "places205"), str(shards), "--layout", "places205", "--split", split])
+    heads = []
+    for name, root in [("lists", synthetic_root / "places205"), ("shards", shards)]:
+        out = tmp_path / name
+        linear.main(
+            ["--weights", str(random_checkpoint), "--dataset", "places205", "--data-root", str(root)]
+            + ["--preset", "places205", "--lr", "0.1", "--epochs", "1", "--batch-size", "16", "--crop", "64"]
+            + ["--resize", "73", "--workers", "0", "--output-dir", str(out)]
+        )
+        heads.append(torch.load(out / "probe_last.pth", weights_only=False)["head"])
+    assert heads[0].keys() == heads[1].keys() and all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
