@@ -311,3 +311,29 @@ def test_the_places205_probe_on_shards_trains_the_folders_head(synthetic_root, r
         )
         heads.append(torch.load(out / "probe_last.pth", weights_only=False)["head"])
     assert heads[0].keys() == heads[1].keys() and all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+
+
+def test_counts_are_bounded_and_checked_against_the_manifest_and_flat_folders_have_no_labels(
+    synthetic_root, sharded, tmp_path, monkeypatch
+):
+    from contrastive_transfer import shards
+
+    copy = tmp_path / "copy"
+    shutil.copytree(sharded, copy, ignore=shutil.ignore_patterns("train*", "trainval*", "test*"))
+    manifest = json.loads((copy / "val.json").read_text())
+    manifest["shards"]["val-000003.tar"] = 5  # the shard holds 4: cut or replaced since it was written
+    (copy / "val.json").write_text(json.dumps(manifest))
+    assert "val-000003.tar: 4 samples, the manifest beside it lists 5" in _one_line(lambda: index_shards(copy / "val"))
+    monkeypatch.setattr(shards, "MAX_MEMBERS", 63)  # a shard of 32 samples has 64 members
+    assert "val-000000.tar: more than 63 members" in _one_line(lambda: index_shards(sharded / "val"))
+    monkeypatch.undo()
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for path in sorted((synthetic_root / "imagenet" / "val").rglob("*.JPEG"))[:7]:
+        shutil.copy(path, flat / f"{path.parent.name}_{path.name}")
+    write_shards.main([str(flat), str(tmp_path / "out"), "--shard-size", "3"])
+    with tarfile.open(tmp_path / "out" / "flat-000000.tar") as tar:
+        assert [m.name for m in tar.getmembers()] == ["00000000.jpg", "00000001.jpg", "00000002.jpg"]
+    index = index_shards(tmp_path / "out" / "flat").index
+    assert len(index) == 7 and index.labels.tolist() == [-1] * 7 and index.classes == []
