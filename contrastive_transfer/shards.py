@@ -15,10 +15,11 @@ and the same images as a folder or as shards are the same samples in the same or
 losses, features and figures). A stream would need its own shard-to-worker split, a shuffle
 buffer and a resume that replays the stream: another order than the folder's, and a resume that
 is not exact. The cost is one pass over the shards' headers (512 bytes per member) when a run
-starts; an epoch then opens each shard at most once per batch it contributes to, not once per
-image (benchmarks/shards.md). Hence the standard library's ``tarfile`` rather than the
-``webdataset`` package: the index needs only the members' headers, which ``tarfile`` reads, and
-webdataset's readers are those streams; nothing is added to the dependencies.
+starts; each process then opens a shard once and reads its members at random offsets, where a
+folder opens a file per image per epoch (benchmarks/shards.md). Hence the standard library's
+``tarfile`` rather than the ``webdataset`` package: the index needs only the members' headers,
+which ``tarfile`` reads, and webdataset's readers are those streams; nothing is added to the
+dependencies.
 
 A shard is untrusted like any input file: it is opened through the gate (a regular file within
 the shard cap), and its members are checked before any is used: regular files only (no links,
