@@ -1,7 +1,8 @@
 """Image lists of the frozen-feature protocols: ImageNet folders, Places205 csv lists, VOC07 labels.
 
-Each reader returns an ``ImageList`` (paths + integer labels) that torch's DataLoader reads; the
-VOC reader also returns the per-class label matrix of the VOC classification files. torchvision's
+Each reader returns an ``ImageList`` (a packed index of paths + integer labels) that torch's
+DataLoader reads; the VOC reader also returns the per-class label matrix of the VOC classification
+files. Each also reads the same dataset written as tar shards (``python -m transfer.shards``). torchvision's
 ImageFolder scan is reused for ImageNet; Places205's space-separated ``.csv`` lists and the VOC
 per-class files have no reader in torchvision or detectron2 (detectron2 reads VOC boxes, not
 the ``<cls>_<split>.txt`` image labels), hence these few lines.
