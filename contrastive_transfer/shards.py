@@ -55,6 +55,7 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp"
 LABEL_FIELDS = ("cls", "labels")  # read into the index; other fields (WebDataset's .json, .txt ...) are left
 MAX_SHARDS = 1_000_000
 MAX_MEMBERS = 1_000_000  # per shard: 512 MiB of headers alone; WebDataset's shards hold thousands
+MAX_HEADER_BYTES = 1 << 20  # a pax or long-name record: a name and a few attributes, ~100 bytes
 MAX_LABEL_BYTES = 4096  # a .cls number, or a VOC image's values for up to ~1000 classes
 MAX_CLASSES = 100_000  # as for an ImageFolder (transfer/datasets/readers.py): a head is sized by it
 
@@ -101,7 +102,12 @@ def shard_paths(root: str | os.PathLike) -> list[str] | None:
         return None
     base = os.path.basename(text)
     found = [p for p in glob.glob(glob.escape(text) + "-*.tar") if _prefix(p) == base]
-    return sorted(found, key=lambda p: int(SHARD_NAME.match(os.path.basename(p)).group("number"))) or None
+    return sorted(found, key=_number) or None
+
+
+def _number(path: str) -> int:
+    match = SHARD_NAME.match(os.path.basename(path))
+    return int(match.group("number")) if match else -1
 
 
 def is_sharded(root: str | os.PathLike) -> bool:
@@ -151,12 +157,31 @@ def _check_member(shard: str, info: tarfile.TarInfo, end: int) -> None:
         )
 
 
+class _BoundedReads:
+    """The shard's file as ``tarfile`` reads it, no read above ``MAX_HEADER_BYTES``: tarfile reads a
+    pax or GNU long-name record whole, at the size its header declares (the member data, which it
+    would also read whole, is never read through it here)."""
+
+    def __init__(self, shard: str, f):
+        self.shard, self.f = shard, f
+        self.seek, self.tell = f.seek, f.tell
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0 or n > MAX_HEADER_BYTES:
+            raise ShardError(
+                f"{self.shard}: a tar header record of {n} bytes at byte {self.f.tell()}, above "
+                f"{MAX_HEADER_BYTES} (a pax or long-name record this large is crafted)"
+            )
+        return self.f.read(n)
+
+
 def _members(shard: str, f, end: int) -> Iterator[tarfile.TarInfo]:
     """The shard's members, each checked; the members list tarfile keeps is emptied as it goes (a
     shard's count stays bounded in memory too). The archive must end with its end-of-archive block:
     a shard cut at a member's boundary would otherwise read as a shorter one."""
     try:
-        tar = tarfile.open(fileobj=f, mode="r:")  # uncompressed only: members are read by offset
+        # uncompressed only: members are read by offset
+        tar = tarfile.open(fileobj=_BoundedReads(shard, f), mode="r:")  # type: ignore[call-overload]
         count = 0
         while (info := tar.next()) is not None:
             tar.members.clear()
@@ -244,7 +269,8 @@ def index_shards(root: str | os.PathLike) -> Sharded:
         raise ShardError(f"{root}: no shards (expected PREFIX-NNNNNN.tar files or a pattern ending in .tar)")
     manifest = _manifest(paths)
     forget(paths)  # descriptors kept from an earlier index of these paths: the files may have been replaced
-    names, labels, locations, keys, rows = [], [], [], [], []
+    names, labels, locations, keys = [], [], [], []
+    rows: list[bytes | None] = []
     for number, shard in enumerate(paths):
         try:
             samples, texts = _scan_shard(shard)
@@ -256,6 +282,7 @@ def index_shards(root: str | os.PathLike) -> Sharded:
                 f"{shard}: {len(samples)} samples, the manifest beside it lists {expected}: truncated or replaced"
             )
         for key, sample in samples.items():
+            assert sample.image is not None  # _scan_shard refused samples without one
             name, offset, size = sample.image
             names.append(name)
             labels.append(_label(shard, key, texts.get(f"{key}.cls")))
@@ -269,10 +296,10 @@ def index_shards(root: str | os.PathLike) -> Sharded:
     classes = manifest.get("classes") or [str(c) for c in range(max(labels) + 1)]
     index = FileIndex.from_samples(root, zip(names, labels), classes, paths, np.asarray(locations, np.int64))
     index.check_labels(len(classes), os.fspath(root))
-    label_rows = rows if any(r is not None for r in rows) else None
-    if label_rows is not None and any(r is None for r in rows):
+    label_rows = [r for r in rows if r is not None]
+    if 0 < len(label_rows) < len(rows):
         raise ShardError(f"{root}: some samples have a .labels member and others not")
-    return Sharded(index, keys, label_rows)
+    return Sharded(index, keys, label_rows or None)
 
 
 def _manifest(paths: Sequence[str]) -> dict:

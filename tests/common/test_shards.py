@@ -177,6 +177,15 @@ def test_hostile_shards_are_refused_in_one_line_naming_shard_and_member(syntheti
     _declaring(huge, 8_000_000_000)  # 8 GB: what 11 octal digits hold
     assert "'b.jpg' declares 8000000000 bytes beyond the shard's end" in _one_line(lambda: index_shards(huge))
 
+    pax = tmp_path / "pax-000000.tar"  # tarfile reads a pax record whole, at the size its header declares
+    info = tarfile.TarInfo("a.jpg")
+    info.size, info.pax_headers = len(jpeg), {"comment": "x" * (2 << 20)}
+    with tarfile.open(pax, "w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(info, io.BytesIO(jpeg))
+    with tarfile.open(pax) as tar:  # control: tarfile reads it, 2 MiB into memory
+        assert len(tar.getmembers()[0].pax_headers["comment"]) == 2 << 20
+    assert "a tar header record of 2097664 bytes" in _one_line(lambda: index_shards(pax))
+
     data = good.read_bytes()
     with tarfile.open(good) as tar:
         last = tar.getmembers()[-1]
