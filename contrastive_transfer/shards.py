@@ -276,7 +276,9 @@ def index_shards(root: str | os.PathLike) -> Sharded:
             samples, texts = _scan_shard(shard)
         except FileNotFoundError:
             raise ShardError(f"{shard}: missing (a shard of {root})") from None
-        expected = manifest.get("shards", {}).get(os.path.basename(shard))
+        expected = manifest["shards"].get(os.path.basename(shard), -1) if manifest else None
+        if expected == -1:
+            raise ShardError(f"{shard}: not listed in the manifest beside it (left from an earlier write?)")
         if expected is not None and expected != len(samples):
             raise ShardError(
                 f"{shard}: {len(samples)} samples, the manifest beside it lists {expected}: truncated or replaced"

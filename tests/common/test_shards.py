@@ -333,6 +333,9 @@ def test_counts_are_bounded_and_checked_against_the_manifest_and_flat_folders_ha
     manifest["shards"]["val-000003.tar"] = 5  # the shard holds 4: cut or replaced since it was written
     (copy / "val.json").write_text(json.dumps(manifest))
     assert "val-000003.tar: 4 samples, the manifest beside it lists 5" in _one_line(lambda: index_shards(copy / "val"))
+    shutil.copy(sharded / "val.json", copy / "val.json")
+    shutil.copy(copy / "val-000003.tar", copy / "val-000004.tar")  # a shard an earlier, longer write left
+    assert "val-000004.tar: not listed in the manifest" in _one_line(lambda: index_shards(copy / "val"))
     monkeypatch.setattr(shards, "MAX_MEMBERS", 63)  # a shard of 32 samples has 64 members
     assert "val-000000.tar: more than 63 members" in _one_line(lambda: index_shards(sharded / "val"))
     monkeypatch.undo()
