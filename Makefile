@@ -53,7 +53,7 @@ test-capabilities: setup
 	  ATEN_CPU_CAPABILITY=$$c OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow and not sweep" -q || exit 1; \
 	done
 
-# ruff (lint, import order, format) on the whole tree, mypy on the converters, the losses and the CLI helpers.
+# ruff (lint, import order, format) on the whole tree, mypy on the converters, the methods, the losses and the CLI helpers.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -64,7 +64,7 @@ from benchmarks.learning import (
 from benchmarks.learning import (
     RUNS_FILE as LEARNING_RUNS,
 )
-from contrastive_transfer.cli import atomic_write
+from contrastive_transfer.cli import atomic_write, write_text
 from contrastive_transfer.synthetic.digits import PRETRAIN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -504,7 +504,7 @@ def write_document(
     lines += ["## Not measured yet", ""]
     lines += [f"- {m}" for m in missing] or ["Every planned run is measured."]
     # atomic: a benchmark stopped while writing leaves the previous document, not half of one
-    atomic_write(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    write_text(out, "\n".join(lines) + "\n")
     _chart(every, seeds, kept, hashes, out.with_suffix(".png"))
 
 
@@ -532,7 +532,7 @@ def _chart(every: dict[str, Claim], seeds, kept, hashes, path: Path) -> None:
         ax.set_title(claim.title.split(":")[0], fontsize=10)
         ax.set_ylabel("kNN top-1 (%), mean ± std over seeds")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)
 
 

@@ -1,6 +1,7 @@
 """The data path per core: two augmented views per JPEG against the bare decode rate, in one run.
 
     python -m benchmarks.data [--images 64] [--runs 5] [--out benchmarks/data.md]
+        [--device cuda [--device-batch 256] [--device-only]]
 
 A fixed set of generated JPEGs with ImageNet's sides and bytes (the synthetic classification scenes,
 sides drawn in 350–460 px, under a 1/f texture, quality 90, ~110 KB; count, sizes and bytes in the
@@ -12,6 +13,12 @@ pipeline's images per second and its ratio to the bare decode rate measured in t
 at 224 px and MoCo v2 at 64 px; the decodes and the fast backend again on the same scenes without
 the texture (the light set, ~35 KB: decodes faster, so a lower ratio); then the fast backend through
 a DataLoader with 1 and 2 workers.
+
+``--device DEV`` adds the device backends' section (``bench_device``), in the same run: the batched
+JPEG decode alone on DEV, decode + two views with ``data.backend: device`` (the reference's crops
+one image at a time) and with ``device_batched`` (roi_align over the batch), each as a ratio to the
+decode, and the goal's verdict (two views at ≥ 50 % of the decode); ``--device-only`` skips the
+per-core tables (a GPU machine's short window).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from torchvision.io import decode_image, decode_jpeg  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 from benchmarks import cpu_name  # noqa: E402
+from contrastive_transfer.cli import atomic_write, write_text  # noqa: E402
 from contrastive_transfer.images import check_image, open_rgb, read_image_bytes  # noqa: E402
 from contrastive_transfer.synthetic.generate import render_classification  # noqa: E402
 from pretrain.augment import build_view_transforms  # noqa: E402
@@ -75,7 +83,7 @@ def write_images(root: Path, n: int) -> tuple[list[Path], list[Path]]:
         texture = TEXTURE_LUMA * luma[..., None] + TEXTURE_CHROMA * np.stack([c1, c2, -c1 - c2], axis=-1)
         textured.parent.mkdir(parents=True, exist_ok=True)
         pixels = np.clip(scene + gain * texture, 0, 255).round().astype(np.uint8)
-        Image.fromarray(pixels).save(textured, format="JPEG", quality=90)
+        atomic_write(textured, lambda f, p=pixels: Image.fromarray(p).save(f, format="JPEG", quality=90))
     return photo, light
 
 
@@ -152,7 +160,7 @@ def bench_workers(root: Path, runs: int) -> list[tuple[str, float]]:
     out = []
     for workers in (1, 2):
         ds = ImageDataset(root, build_view_transforms("mocov2", 224), seed=0, backend="fast")
-        loader = build_loader(ds, 16, num_workers=workers)
+        loader = build_loader(ds, min(16, len(ds)), num_workers=workers)
 
         def epoch(loader=loader):
             set_loader_epoch(loader, 0)
@@ -162,52 +170,122 @@ def bench_workers(root: Path, runs: int) -> list[tuple[str, float]]:
         out.append(
             (
                 f"mocov2 224 px, fast backend, DataLoader, {workers} worker(s), end to end",
-                rate(epoch, len(loader) * 16, runs),
+                rate(epoch, len(loader) * loader.batch_size, runs),
             )
         )
     return out
 
 
-def bench_device(root: Path, runs: int, device: torch.device) -> list[tuple[str, float, float]]:
-    """``data.backend: device``, MoCo v2 at 224 px, batches of 32: the workers' share (read, JPEG
-    header, draws) and the device's (batched decode, crops, colour, normalisation), each alone."""
-    from pretrain.augment.on_device import JPEG_DECODER, jpeg_decoders
-    from pretrain.data import finish_views
+# The device section's rows (its table and its verdict look them up by these names).
+DECODE, EXACT, BATCHED = (
+    "batched JPEG decode alone",
+    "decode + two views, `data.backend: device` (the reference's crops, per image)",
+    "decode + two views, `data.backend: device_batched` (roi_align, per batch)",
+)
+
+
+def device_batches(dataset: ImageDataset, batch: int) -> list:
+    """The dataset's EncodedBatches of ``batch`` samples, its images repeated to fill the last (a
+    GPU's batch may hold more images than the benchmark writes; the decode costs the same)."""
+    count = max(1, -(-len(dataset) // batch))
+    return [
+        collate(dataset.__getitems__([(k * batch + j) % len(dataset) for j in range(batch)]))[0] for k in range(count)
+    ]
+
+
+def profile_ops(fn, device: torch.device, rows: int = 10) -> str:
+    """torch.profiler's table of the ops of one ``fn()`` that take the most time on ``device``
+    (self time: each op's own kernels): where the time of the path goes, from the same run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        fn()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def bench_device(root: Path, runs: int, device: torch.device, batch: int) -> tuple[list[tuple[str, float, float]], str]:
+    """MoCo v2 at 224 px on ``device``, batches of ``batch``: the batched decode alone (the reference
+    of the ratios; then each other decoder here), decode + two views with the per-image crops
+    (``data.backend: device``) and with the batched ones (``device_batched``), the batched crops
+    and flips without the colour stage, and the workers' share (read, JPEG header, draws) per core;
+    then the profile of one batch of ``device_batched`` (``profile_ops``)."""
+    from pretrain.augment.on_device import JPEG_DECODER, batched_crops, decode_images, decode_views, jpeg_decoders
 
     views = build_view_transforms("mocov2", 224)
     ds = ImageDataset(root, views, seed=0, backend="device")
-    batches = [collate(ds.__getitems__(list(range(i, min(i + 32, len(ds)))))) for i in range(0, len(ds), 32)]
+    batches = device_batches(ds, batch)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def on_device():
-        for batch in batches:
-            finish_views(batch[0], views, device)
-        sync()
-
-    def decode_only(decode):  # the batched decode alone, with each decoder available here
+    def each_batch(fn):
         def run():
-            for batch in batches:
-                decode([d for d in batch[0].data if d.dim() == 1], device)
+            for encoded in batches:
+                fn(encoded)
             sync()
 
         return run
 
-    decoders = [
-        (f"batched JPEG decode alone on {device}: {name}", decode_only(decode), len(ds))
-        for name, decode in jpeg_decoders().items()
-    ]
-    return interleaved(
+    decoders = sorted(jpeg_decoders().items(), key=lambda item: item[0] != JPEG_DECODER)  # the default first
+    n = len(batches) * batch
+    sizes = [tuple(t.geometric[0].size) for t in views]
+    everything = list(range(len(ds)))
+    batched = each_batch(lambda b: decode_views(b, views, device, geometry="batched"))
+    rows = interleaved(
         [
-            (
-                "mocov2 224 px, `data.backend: device`: workers' share",
-                lambda: ds.__getitems__(list(range(len(ds)))),
-                len(ds),
+            *(
+                (
+                    f"{DECODE} ({name})" if name == JPEG_DECODER else f"{DECODE} ({name}, not the default)",
+                    each_batch(lambda b, decode=decode: decode([d for d in b.data if d.dim() == 1], device)),
+                    n,
+                )
+                for name, decode in decoders
             ),
-            (f"mocov2 224 px, `data.backend: device`: decode + views on {device} ({JPEG_DECODER})", on_device, len(ds)),
-            *decoders,
+            (EXACT, each_batch(lambda b: decode_views(b, views, device, geometry="exact")), n),
+            (BATCHED, batched, n),
+            (
+                "decode + the two views' crops and flips alone, `device_batched` (no colour stage)",
+                each_batch(lambda b: batched_crops(decode_images(b, device), b.boxes, b.flips, sizes)),
+                n,
+            ),
+            ("the workers' share (read, JPEG header, draws), one core", lambda: ds.__getitems__(everything), len(ds)),
         ],
         runs,
     )
+    return rows, profile_ops(batched, device)
+
+
+def device_verdict(rows) -> str:
+    """The goal of the device path: two views at ≥ 50 % of the batched decode rate of the same run."""
+    ratio = {name: r for name, _, r in rows}
+    met = ratio[BATCHED] >= 0.5
+    return (
+        f"Goal {'met' if met else 'not met'}: decode + two views at {ratio[BATCHED]:.0%} of the batched decode "
+        f"rate with `device_batched` (goal ≥ 50 %), {ratio[EXACT]:.0%} with `device`; batched over per-image "
+        f"crops: {ratio[BATCHED] / ratio[EXACT]:.1f}×."
+    )
+
+
+def device_report(rows, profile: str, device: torch.device, batch: int, paths: list[Path], peak: str) -> list[str]:
+    return [
+        f"## Decode and views on {device} (`data.backend: device` and `device_batched`)",
+        "",
+        f"MoCo v2, two 224 px views per image, batches of {batch} ({describe(paths)}, repeated to fill",
+        "a batch); a warm-up, then rounds that time every pipeline once (each ends in a device",
+        f"synchronisation); the median rate and the median ratio to the batched decode of the same round.{peak}",
+        "",
+        "| pipeline | img/s | of the batched decode rate |",
+        "|---|---|---|",
+        *(f"| {name} | {r:,.0f} | {ratio:.0%} |" for name, r, ratio in rows),
+        "",
+        device_verdict(rows),
+        "",
+        f"Where `device_batched`'s time on {device} goes (one round of its batches, torch.profiler, ops by self time):",
+        "",
+        "```",
+        *profile.rstrip().splitlines(),
+        "```",
+    ]
 
 
 def machine() -> str:
@@ -297,22 +375,55 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--device", help="also time data.backend=device on this device (cuda: tools/gpu_check.sh)")
+    parser.add_argument(
+        "--device-batch", type=int, help="--device's batch size (default: 256 on CUDA, a ResNet-50's; else --images)"
+    )
+    parser.add_argument("--device-only", action="store_true", help="with --device: that section alone")
     args = parser.parse_args(argv)
+    if args.device_only and not args.device:
+        parser.error("--device-only needs --device")
     load_before = os.getloadavg()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         paths, light_paths = write_images(root, args.images)
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core; workers inherit it
-        results = bench_pipelines(root / "photo", paths, args.runs)
-        light = bench_pipelines(root / "light", light_paths, args.runs, full=False)
-        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # workers: one core each
-        workers = bench_workers(root / "photo", args.runs)
+        lines = []
+        if not args.device_only:
+            os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core; workers inherit it
+            results = bench_pipelines(root / "photo", paths, args.runs)
+            light = bench_pipelines(root / "light", light_paths, args.runs, full=False)
+            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # workers: one core each
+            workers = bench_workers(root / "photo", args.runs)
         if args.device:
-            workers += [(name, r) for name, r, _ in bench_device(root / "photo", args.runs, torch.device(args.device))]
+            device = torch.device(args.device)
+            batch = args.device_batch or (256 if device.type == "cuda" else args.images)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            rows, profile = bench_device(root / "photo", args.runs, device, batch)
+            peak = (
+                f" Peak device memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB."
+                if device.type == "cuda"
+                else ""
+            )
+            lines = device_report(rows, profile, device, batch, paths, peak)
         load = f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}"
-        text = report(results, light, workers, paths, light_paths, machine().format(load=load))
-    args.out.write_text(text)
+        if args.device_only:
+            text = (
+                "\n".join(
+                    [
+                        "# The data path on the device (`python -m benchmarks.data --device-only`)",
+                        "",
+                        f"Machine: {machine().format(load=load)}.",
+                        "",
+                        *lines,
+                    ]
+                )
+                + "\n"
+            )
+        else:
+            text = report(results, light, workers, paths, light_paths, machine().format(load=load))
+            text += "\n".join(["", *lines, ""]) if lines else ""
+    write_text(args.out, text)
     print(text)
 
 

@@ -37,6 +37,7 @@ from benchmarks.learning import (
     random_baseline,
     run_logged,
 )
+from contrastive_transfer.cli import write_text
 from contrastive_transfer.json_limits import read_json, read_json_lines
 
 HOST = "tiny_mocov2"
@@ -102,7 +103,9 @@ def _cell(values: list[float]) -> str:
 
 
 def write_section(rows: list[dict], args, out: Path) -> None:
-    head = out.read_text() if out.is_file() else ""
+    from contrastive_transfer.paths import read_text  # torch: imported when a file is read
+
+    head = read_text(out, "report") if out.is_file() else ""
     head = head[: head.index(SECTION_MARK)] if SECTION_MARK in head else head
     randoms = sorted({r["random_knn_top1"] for r in rows})
     seeds = ", ".join(str(s) for s in sorted({r["seed"] for r in rows})) or "none yet"
@@ -135,7 +138,7 @@ def write_section(rows: list[dict], args, out: Path) -> None:
             diff = f"{statistics.mean(cells['eqco']) - statistics.mean(cells['infonce']):+.1f}"
         lines.append(f"| {k} | {_cell(cells['infonce'])} | {_cell(cells['eqco'])} | {diff} |")
     lines.append("")
-    out.write_text(head.rstrip("\n") + "\n\n" + "\n".join(lines))
+    write_text(out, head.rstrip("\n") + "\n\n" + "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                     shutil.rmtree(work / "runs" / name)
                 print(f"{name}: pretraining {args.epochs} epochs ...", flush=True)
                 row = measure(loss, k, seed, args.epochs, data, work)
-                row_file.write_text(json.dumps(row, indent=1))
+                write_text(row_file, json.dumps(row, indent=1))
                 print(f"{name}: kNN {row['knn_top1']:.1f} (random {row['random_knn_top1']:.1f})", flush=True)
                 write_section([read_json(p) for p in sorted(rows_dir.glob("*.json"))], args, out)
     write_section([read_json(p) for p in sorted(rows_dir.glob("*.json"))], args, out)

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks import cpu_name
+from contrastive_transfer.cli import write_text
 from contrastive_transfer.file_index import FileIndex
 
 IMAGENET_TRAIN = 1_281_167
@@ -166,9 +167,7 @@ def measure_places205(entries: int, workers: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         listing = Path(tmp) / PLACES205_LISTS / "train_places205.csv"
         listing.parent.mkdir()
-        with open(listing, "w") as f:
-            for i in range(entries):
-                f.write(f"{classes[i % 205]}/{i:08d}.jpg {i % 205}\n")
+        write_text(listing, "".join(f"{classes[i % 205]}/{i:08d}.jpg {i % 205}\n" for i in range(entries)))
         t = time.perf_counter()
         packed = read_places205(tmp, "train")
         read_s = time.perf_counter() - t
@@ -219,7 +218,7 @@ def main() -> None:
     a = p.parse_args()
     text = report(measure(a.entries, a.workers), a.workers)
     text += "\n" + report_places205(measure_places205(a.places205, a.workers), a.workers)
-    a.out.write_text(text)
+    write_text(a.out, text)
     print(text)
 
 

@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 from benchmarks import cell, cpu_name, mean_std
+from contrastive_transfer.cli import atomic_write, open_append, write_text
 from contrastive_transfer.json_limits import read_json, read_json_lines
 from contrastive_transfer.synthetic.digits import DETECTION_OVERRIDES, PRETRAIN_OVERRIDES
 
@@ -133,7 +134,7 @@ def run_logged(cmd: list[str], log: Path) -> tuple[float, float]:
     import psutil
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    with open(log, "w") as f:
+    with open_append(log, fresh=True) as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         start = time.time()
@@ -164,7 +165,9 @@ def run_logged(cmd: list[str], log: Path) -> tuple[float, float]:
                 proc.wait()
         watcher.join()
     if code != 0:
-        tail = "\n".join(log.read_text().splitlines()[-8:])
+        from contrastive_transfer.paths import read_text  # torch: imported when a file is read
+
+        tail = "\n".join(read_text(log, "log", kind="log").splitlines()[-8:])
         raise SystemExit(f"error: {' '.join(cmd[:4])} ... failed (exit {code}); see {log}:\n{tail}")
     return time.time() - start, peak[0]
 
@@ -234,14 +237,12 @@ def random_init_record(path: Path, arch: str, stem: str, image_size: int, seed: 
     import torch
     import torchvision
 
-    from contrastive_transfer.cli import atomic_write
-
     torch.manual_seed(seed)
     state = {k: v for k, v in getattr(torchvision.models, arch)().state_dict().items() if not k.startswith("fc.")}
     record = {"backbone": state, "arch": arch, "stem": stem, "method": "random", "step": 0}
     record["config"] = {"data": {"image_size": image_size}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: torch.save(record, tmp))
+    atomic_write(path, lambda f: torch.save(record, f))
 
 
 def random_baseline(
@@ -311,7 +312,7 @@ def pretrain_run(recipe: str, epochs: int, seed: int, data: Path, run: Path, ext
         run / "pretrain.log",
     )
     load = os.getloadavg()[1]
-    timing.write_text(json.dumps([seconds, peak, load]))
+    write_text(timing, json.dumps([seconds, peak, load]))
     return seconds, peak, load
 
 
@@ -372,7 +373,9 @@ SECTION_MARK = "<!-- python -m benchmarks.eqco_k writes below this line -->"
 
 def kept_section(out: Path) -> str:
     """The part of ``out`` from SECTION_MARK on ('' if none), so that each tool rewrites only its own."""
-    text = out.read_text() if out.is_file() else ""
+    from contrastive_transfer.paths import read_text  # torch: imported when a file is read
+
+    text = read_text(out, "report") if out.is_file() else ""
     return text[text.index(SECTION_MARK) :] if SECTION_MARK in text else ""
 
 
@@ -475,7 +478,7 @@ def write_table(runs: dict[str, list[dict]], recipes: list[str], out: Path, args
             lines.append(f"| {recipe} | seeds {', '.join(map(str, missing))} not measured yet |" + " |" * 14)
     png = out.with_suffix(".png")
     lines += ["", f"![kNN top-1 per recipe]({png.name})", ""]
-    out.write_text("\n".join(lines) + kept_section(out))
+    write_text(out, "\n".join(lines) + kept_section(out))
     _chart(runs, png)
 
 
@@ -498,7 +501,7 @@ def _chart(runs: dict[str, list[dict]], path: Path) -> None:
     ax.set_title("kNN top-1 after the same pretraining budget")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -515,7 +518,7 @@ def _key(row: dict) -> tuple:
 
 def append_run(path: Path, row: dict) -> None:
     """One line per run, appended (a run measured again with --fresh: its later line wins)."""
-    with open(path, "a") as f:
+    with open_append(path) as f:
         f.write(json.dumps(row, sort_keys=True) + "\n")
 
 

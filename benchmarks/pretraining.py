@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from contrastive_transfer.cli import write_text
 from contrastive_transfer.json_limits import read_json_lines
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
@@ -53,10 +54,11 @@ def _median_time(fn, warmup: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def _engine_seconds(recipe: str, overrides: list[str], warmup: int, steps: int) -> float:
-    """Per-step wall time of the real loop without data loading: the median of the engine's own
-    ``step_time`` over the steps after ``warmup``. With a row every step, each step ends in a read of
-    the device (the stop flags, then the row), so the time is the device's too, not only the launch.
+def _engine_seconds(recipe: str, overrides: list[str], warmup: int, steps: int, log_every: int) -> tuple[float, float]:
+    """Per-step wall time of the real loop without data loading, and the data time per step: the
+    medians of the engine's own ``step_time`` and ``data_time`` (means over each row's window of
+    ``log_every`` steps) over the rows after ``warmup`` steps. A row step ends in a read of the
+    device, so the time is the device's too, not only the launch.
 
     Not the difference of two whole runs minus their data time: on a GPU the data time of a tiny
     recipe (num_workers 0) is seconds per step against milliseconds of compute, and that
@@ -73,7 +75,7 @@ def _engine_seconds(recipe: str, overrides: list[str], warmup: int, steps: int) 
                 *overrides,
                 f"train.output_dir={out}",
                 f"train.max_steps={warmup + steps}",
-                "train.log_every=1",
+                f"train.log_every={log_every}",
                 "train.checkpoint_every=1000000",
                 "train.resume=none",
                 "knn.train_dir=null",
@@ -81,10 +83,58 @@ def _engine_seconds(recipe: str, overrides: list[str], warmup: int, steps: int) 
         )
         train(cfg, Accelerator(cpu=cfg.train.cpu, mixed_precision=cfg.train.mixed_precision))
         rows = read_json_lines(Path(out, "metrics.jsonl"))
-    return statistics.median(r["step_time"] for r in rows if "loss" in r and r["step"] > warmup)
+    rows = [r for r in rows if "loss" in r and r["step"] > warmup]
+    return statistics.median(r["step_time"] for r in rows), statistics.median(r["data_time"] for r in rows)
 
 
-def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> dict:
+def largest_batch(step_at, sizes: list[int]) -> int:
+    """The first of ``sizes`` (largest first) at which ``step_at(size)`` runs without running out of
+    device memory: the largest per-GPU batch that fits."""
+    for size in sizes:
+        try:
+            step_at(size)
+            return size
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+    raise SystemExit(f"error: not even a batch of {sizes[-1]} fits in the device's memory")
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """max_batch, then down by quarters of the next power of two: 256, 192, 128, 96, 64, 48, ..."""
+    sizes, b = [max_batch], max_batch
+    while b > 1:
+        b = b * 3 // 4 if b & (b - 1) == 0 else 1 << (b.bit_length() - 1)
+        sizes.append(b)
+    return sorted(set(sizes), reverse=True)
+
+
+def _fit_batch(recipe: str, overrides: list[str], max_batch: int) -> int:
+    """--batch auto: the largest per-process batch up to max_batch whose bare step fits."""
+    from pretrain.config import load_config
+    from pretrain.methods import METHODS
+    from pretrain.optim import build_optimizer
+
+    cfg = load_config(RECIPES_DIR / f"{recipe}.yaml", overrides)
+    device = torch.device("cuda" if torch.cuda.is_available() and not cfg.train.cpu else "cpu")
+    if device.type != "cuda":
+        return max_batch  # the host's memory is not what limits a CPU run's batch
+    method = METHODS[cfg.method.name](cfg, 1).to(device, memory_format=torch.channels_last).train()
+    optimizer, size = build_optimizer(method, cfg), cfg.data.image_size
+    labels = torch.zeros(max_batch, dtype=torch.long, device=device)
+
+    def step_at(batch: int) -> None:
+        views = [torch.randn(batch, 3, size, size, device=device) for _ in method.view_transforms(cfg)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = method(views, labels[:batch]) if method.needs_labels else method(views)
+        out["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    return largest_batch(step_at, batch_sizes(max_batch))  # the caches are emptied when this returns
+
+
+def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int, log_every: int = 1) -> dict:
     from pretrain.config import load_config
     from pretrain.data import ImageDataset, build_loader, collate, finish_views
     from pretrain.engine import gpu_settings
@@ -99,8 +149,9 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     speed = gpu_settings(cfg, method, device)  # the engine's channels_last / cudnn / compile settings
     optimizer = build_optimizer(method, cfg)
     dataset = ImageDataset(cfg.data.root, method.view_transforms(cfg), seed=0, backend="torchvision")  # float views
-    views, _, _ = next(iter(build_loader(dataset, cfg.train.batch_size)))
+    views, labels, _ = next(iter(build_loader(dataset, cfg.train.batch_size)))
     views = [v.to(device, memory_format=speed.memory_format) for v in views]
+    labels = labels.to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     # the engine's precision in the reference too, so that engine/bare compares loops, not dtypes
@@ -112,7 +163,7 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
 
     def bare_step():
         with engine_precision():
-            loss = method(views)["loss"]
+            loss = (method(views, labels) if method.needs_labels else method(views))["loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -131,7 +182,7 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     # plus finish_views on the device, with the recipe's data.backend: images/s beside the step's.
     data_set = ImageDataset(cfg.data.root, method.view_transforms(cfg), seed=0, backend=cfg.data.backend)
     batch = cfg.train.batch_size
-    starts = range(0, min(len(data_set), 4 * batch) - batch + 1, batch)
+    starts = range(0, min(len(data_set), 2 * batch) - batch + 1, batch)
 
     def data_path():
         for start in starts:
@@ -142,7 +193,7 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
     data_s = _median_time(data_path, 1, 3)
     bare = _median_time(bare_step, warmup, steps)
     backbone_only = _median_time(backbone_step, warmup, steps)
-    engine = _engine_seconds(recipe, overrides, warmup, steps)
+    engine, data_wait = _engine_seconds(recipe, overrides, warmup, steps, log_every)
     images = cfg.train.batch_size
     peak = (
         torch.cuda.max_memory_allocated() / 2**20
@@ -160,6 +211,9 @@ def bench_recipe(recipe: str, overrides: list[str], warmup: int, steps: int) -> 
         "channels_last": speed.channels_last,
         "compiled": speed.compiled,
         "engine_s": engine,
+        "data_wait_s": data_wait,
+        "data_backend": cfg.data.backend,
+        "workers": cfg.data.num_workers,
         "bare_s": bare,
         "backbone_s": backbone_only,
         "images_per_s": images / engine,
@@ -290,18 +344,21 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
         "on every view. Goal: engine / bare ≤ 1.05. Data img/s: the data path alone in one process "
         "(`data.backend` of the recipe: decode, views, collate, then the device's share), per core.",
         "",
-        "| recipe | method | arch | px | batch | views | device | channels_last | compiled | engine ms/step | "
-        "images/s | data img/s | bare ms | engine/bare | backbone ms | bare/backbone | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | method | arch | px | batch | views | device | channels_last | compiled | data backend, "
+        "workers | engine ms/step | images/s | data wait ms/step | data img/s | bare ms | engine/bare | "
+        "backbone ms | bare/backbone | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['recipe']} | {r['method']} | {r['arch']} | {r['image_size']} | {r['batch']} | {r['views']} | "
-            f"{r['device']} | {r['channels_last']} | {r['compiled']} | {1e3 * r['engine_s']:.1f} | "
-            f"{r['images_per_s']:.1f} | {r.get('data_images_per_s', float('nan')):.1f} | {1e3 * r['bare_s']:.1f} | "
-            f"{r['engine_over_bare']:.3f} | {1e3 * r['backbone_s']:.1f} | {r['bare_over_backbone']:.2f} | "
-            f"{r['peak_mib']:.0f} |"
+            f"{r['device']} | {r['channels_last']} | {r['compiled']} | {r.get('data_backend', '-')}, "
+            f"{r.get('workers', '-')} | {1e3 * r['engine_s']:.1f} | {r['images_per_s']:.1f} | "
+            f"{1e3 * r.get('data_wait_s', float('nan')):.1f} | {r.get('data_images_per_s', float('nan')):.1f} | "
+            f"{1e3 * r['bare_s']:.1f} | {r['engine_over_bare']:.3f} | {1e3 * r['backbone_s']:.1f} | "
+            f"{r['bare_over_backbone']:.2f} | {r['peak_mib']:.0f} |"
         )
+    lines += against_supervised(rows)
     if not aug:  # --no-augmentation: no empty tables
         return "\n".join(lines) + "\n"
     lines += [
@@ -335,6 +392,31 @@ def _report(rows: list[dict], aug: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def against_supervised(rows: list[dict]) -> list[str]:
+    """Each method's images/s over the supervised step's on the same device and data backend, bare
+    and through the engine: the share of the ceiling the method reaches."""
+    ceiling = {(r["device"], r.get("data_backend")): r for r in rows if r["method"] == "supervised"}
+    lines = []
+    for r in rows:
+        sup = ceiling.get((r["device"], r.get("data_backend")))
+        if sup is None or r is sup:
+            continue
+        bare = (r["batch"] / r["bare_s"]) / (sup["batch"] / sup["bare_s"])
+        engine = r["images_per_s"] / sup["images_per_s"]
+        lines.append(f"| {r['recipe']} | {r.get('data_backend', '-')} | {bare:.3f} | {engine:.3f} |")
+    if not lines:
+        return []
+    return [
+        "",
+        "Images/s of each method over the plain supervised step's (the same arch, size and device, in the "
+        "same run): the ceiling any method can reach.",
+        "",
+        "| recipe | data backend | method/supervised, bare | method/supervised, engine |",
+        "|---|---|---|---|",
+        *lines,
+    ]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.pretraining",
@@ -346,6 +428,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-root", default="datasets/synthetic/imagenet/train")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--batch",
+        default=None,
+        help="images per step: a number, or auto (the largest up to --max-batch whose step fits the GPU's memory); "
+        "default: the recipe's train.batch_size",
+    )
+    parser.add_argument("--max-batch", type=int, default=256)
+    parser.add_argument(
+        "--log-every", type=int, default=1, help="the engine's row interval (a row step reads the device)"
+    )
     parser.add_argument("--aug-sizes", default="64,224", help="augmentation benchmark output sizes")
     parser.add_argument("--aug-images", type=int, default=256)
     parser.add_argument("--out", default="benchmarks/pretrain.md")
@@ -363,6 +455,18 @@ def _parser() -> argparse.ArgumentParser:
         help="config override for every recipe, e.g. train.channels_last=true (repeatable)",
     )
     parser.add_argument("--no-augmentation", action="store_true", help="skip the augmentation throughput part")
+    parser.add_argument(
+        "--host-reads",
+        action="store_true",
+        help="instead of timing: count the reads of tensor values per step that logs no row, on the CPU, for the "
+        "tiny recipe of every registered method (benchmarks/host_reads.py); exit 1 unless all are 0",
+    )
+    parser.add_argument(
+        "--optimizer-ops",
+        action="store_true",
+        help="instead of timing: the operators one optimizer step dispatches, per-tensor loop against ours, on "
+        "the CPU (benchmarks/optimizer_ops.py)",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: one recipe, JSON out
     return parser
 
@@ -392,6 +496,11 @@ def _bench_in_child(recipe: str, args: argparse.Namespace) -> dict:
             str(args.warmup),
             "--device",
             args.device,
+            "--max-batch",
+            str(args.max_batch),
+            "--log-every",
+            str(args.log_every),
+            *(["--batch", args.batch] if args.batch else []),
             *(f"--set={kv}" for kv in args.set),
         ],
         capture_output=True,
@@ -424,14 +533,60 @@ def _bench_augmentations(args: argparse.Namespace) -> list[dict]:
     return aug
 
 
+def recipe_overrides(recipe: str, args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """What one recipe needs on the benchmark's data: the supervised ceiling as many classes as the
+    folder has, and the batch --batch asks for."""
+    from pretrain.config import load_config
+
+    extra = []
+    if load_config(RECIPES_DIR / f"{recipe}.yaml", overrides).method.name == "supervised":
+        classes = sum(1 for p in Path(args.data_root).iterdir() if p.is_dir())
+        extra.append(f"method.num_classes={classes}")
+    if args.batch == "auto":
+        extra.append(f"train.batch_size={_fit_batch(recipe, overrides + extra, args.max_batch)}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the search's method and optimizer are gone: their memory too
+    elif args.batch:
+        extra.append(f"train.batch_size={int(args.batch)}")
+    return extra
+
+
+def host_reads(args: argparse.Namespace, overrides: list[str]) -> None:
+    """The --host-reads table; every registered method must have a tiny recipe to be counted."""
+    from benchmarks.host_reads import count_reads, report
+    from pretrain.config import load_config
+    from pretrain.methods import METHODS
+
+    tiny = sorted(RECIPES_DIR.glob("tiny_*.yaml"))
+    recipes = [RECIPES_DIR / f"{r}.yaml" for r in args.recipes.split(",")] if args.recipes else tiny
+    uncovered = sorted(set(METHODS) - {load_config(p).method.name for p in tiny})
+    if uncovered:
+        sys.exit(f"error: no configs/pretrain/tiny_*.yaml trains {', '.join(uncovered)}: its reads cannot be counted")
+    results = []
+    for recipe in recipes:
+        cuda = "train.cpu=false" in overrides  # --device says where (device_override)
+        results.append(count_reads(recipe, [o for o in overrides if not o.startswith("train.cpu=")], cuda=cuda))
+        print(f"{recipe.stem}: {results[-1].reads_per_quiet_step:g} host reads per step without a row", flush=True)
+    print(report(results))
+    if any(r.reads_per_quiet_step for r in results):
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA device is visible")
     overrides = [f"data.root={args.data_root}", "data.num_workers=0", *args.set]
     overrides.append(device_override(args.device, torch.cuda.is_available()))
+    if args.host_reads:
+        return host_reads(args, overrides)
+    if args.optimizer_ops:
+        from benchmarks.optimizer_ops import main as optimizer_ops
+
+        return optimizer_ops()
     if args.one:
-        print("RESULT=" + json.dumps(bench_recipe(args.one, overrides, args.warmup, args.steps)))
+        overrides += recipe_overrides(args.one, args, overrides)
+        print("RESULT=" + json.dumps(bench_recipe(args.one, overrides, args.warmup, args.steps, args.log_every)))
         return
     if not Path(args.data_root).is_dir():
         sys.exit(
@@ -442,7 +597,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [_bench_in_child(recipe, args) for recipe in recipes]
     aug = _bench_augmentations(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(_report(rows, aug, args))
+    write_text(args.out, _report(rows, aug, args))
     print(f"wrote {args.out}")
 
 

@@ -26,6 +26,7 @@ from PIL import Image
 
 from benchmarks import cpu_name
 from contrastive_transfer import members
+from contrastive_transfer.cli import atomic_write, write_text
 from contrastive_transfer.images import read_image_bytes
 from contrastive_transfer.shards import index_shards
 from pretrain.data import ShardedSampler, scan_index
@@ -39,7 +40,7 @@ def write_folder(root: Path, images: int, side: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         small = rng.integers(0, 256, (side // 8, side // 8, 3), dtype=np.uint8)  # upscaled: photo-like bytes
         image = Image.fromarray(small).resize((side, side), Image.BILINEAR)
-        image.save(folder / f"{i:07d}.JPEG", quality=90)
+        atomic_write(folder / f"{i:07d}.JPEG", lambda f, im=image: im.save(f, format="JPEG", quality=90))
 
 
 def evict(paths) -> None:
@@ -167,7 +168,7 @@ def main() -> None:
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         text = report(measure(a.images, a.side, a.shard_size, Path(tmp)))
-    a.out.write_text(text)
+    write_text(a.out, text)
     print(text)
 
 

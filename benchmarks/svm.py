@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from contrastive_transfer.cli import atomic_write
 from transfer.voc07_protocol import DEFAULT_COSTS, l2_normalize, scoring_targets, training_targets, voc_ap
 from transfer.voc07_solvers import make_svm, run_svms
 
@@ -131,15 +132,23 @@ def timed(fn):
 # ------------------------------------------------------------------------------------ data
 def load_features(path: str | None) -> tuple[dict[str, np.ndarray], str]:
     if path:
-        return dict(np.load(path)), path
+        return _read_arrays(path), path
     cache_root = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser()
     cache = cache_root / "contrastive-transfer" / "bench_svm" / "voc07_like_seed0.npz"
     if not cache.is_file():
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}.npz")
-        np.savez(tmp, **synthetic_voc_features())
-        os.replace(tmp, cache)
-    return dict(np.load(cache)), f"{cache} (synthetic_voc_features, seed 0)"
+        features = synthetic_voc_features()
+        atomic_write(cache, lambda f: np.savez(f, **features))
+    return _read_arrays(cache), f"{cache} (synthetic_voc_features, seed 0)"
+
+
+def _read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """An .npz (or .npy) of features through the gate: plain arrays only."""
+    from contrastive_transfer.untrusted import open_untrusted  # torch: imported when a file is read
+
+    with open_untrusted(path, "features") as f:
+        loaded = np.load(f, allow_pickle=False)
+        return dict(loaded) if isinstance(loaded, np.lib.npyio.NpzFile) else {"array": loaded}
 
 
 def export_cache(cache_dir: str, voc_root: str, layer: str, out: str) -> None:
@@ -156,11 +165,11 @@ def export_cache(cache_dir: str, voc_root: str, layer: str, out: str) -> None:
                 "(run transfer.voc07_svm first; one checkpoint per cache folder)"
             )
         path = found[0]
-        arrays[f"{name}_x"] = np.load(path)
+        arrays[f"{name}_x"] = _read_arrays(path)["array"]
         arrays[f"{name}_labels"] = read_voc_labels(voc_root, split).labels
         if len(arrays[f"{name}_x"]) != len(arrays[f"{name}_labels"]):
             raise SystemExit(f"error: {path}: {len(arrays[f'{name}_x'])} rows but {voc_root} lists a different count")
-    np.savez(out, **arrays)
+    atomic_write(out, lambda f: np.savez(f, **arrays))
     print(f"wrote {out}: train {arrays['train_x'].shape}, test {arrays['test_x'].shape}")
 
 

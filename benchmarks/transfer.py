@@ -51,6 +51,7 @@ from benchmarks.learning import (
     run_logged,
     tiny_recipes,
 )
+from contrastive_transfer.cli import atomic_write, write_text
 from contrastive_transfer.json_limits import read_json, read_json_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,7 +322,7 @@ def write_table(rows: dict[str, dict], out: Path, args, table: Table = SMALL) ->
     lines += curve_table(rows)
     design = DESIGN if table.data.name == "small" else DIGITS_DESIGN
     lines += ["", design, "", f"![transfer]({out.with_suffix('.png').name})", ""]
-    out.write_text("\n".join(lines))
+    write_text(out, "\n".join(lines))
     _chart(rows, out.with_suffix(".png"), table)
 
 
@@ -423,7 +424,7 @@ def _chart(rows: dict[str, dict], path: Path, table: Table = SMALL) -> None:
         ax.set_title("Detection AP50 against iterations (mean ± std over seeds)")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -438,7 +439,7 @@ def measure_curve(data: Path, work: Path, rows: dict[str, dict], table: Table = 
                 weights, data, run, CURVE["seeds"], CURVE["iters"], CURVE["every"], options=table.data.detection
             )
             rows[row]["curve"] = result["curve"]
-            (work / "rows" / f"{row}.json").write_text(json.dumps(rows[row], indent=1))
+            write_text(work / "rows" / f"{row}.json", json.dumps(rows[row], indent=1))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -495,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
         rows[row] = measure(
             row, data, work, args.seeds, args.fresh or stale, table=table, learning=learning, iters=args.detection_iters
         )
-        (work / "rows" / f"{row}.json").write_text(json.dumps(rows[row], indent=1))
+        write_text(work / "rows" / f"{row}.json", json.dumps(rows[row], indent=1))
         write_table(rows, out, args, table)
     if args.curve:
         measure_curve(data, work, rows, table)

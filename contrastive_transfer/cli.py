@@ -7,8 +7,11 @@
   the traceback instead. Anything else is a bug and keeps its traceback.
 - ``ensure_writable_dir`` proves an output location usable before any work starts.
 - ``OutputLock`` makes a run the only one writing into its output directory.
-- ``atomic_write`` writes through a temporary file beside the target, so a crash never leaves a
-  torn file; ``remove_stale_temporaries`` clears what killed writers left behind.
+- ``atomic_write`` is the one writer of the project's files: a temporary file it creates itself
+  beside the target (never a name planted there, a link included), flushed to disk, then renamed
+  over the target, so a crash never leaves a torn file and a link at the target is replaced, never
+  followed; ``open_append`` is its counterpart for a log that grows line by line;
+  ``remove_stale_temporaries`` clears what killed writers left behind.
 - ``write_json`` is how every evaluator writes its metrics: atomically, and never a NaN or an
   infinity (JSON has none; a reader would choke on it or take it for a number).
 """
@@ -16,16 +19,19 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
 import os
+import secrets
 import socket
+import stat
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 __all__ = [
     "UserError",
@@ -33,14 +39,21 @@ __all__ = [
     "ensure_writable_dir",
     "OutputLock",
     "atomic_write",
+    "open_append",
     "remove_stale_temporaries",
     "write_json",
+    "write_text",
+    "write_bytes",
+    "open_own",
     "NonFiniteValueError",
     "DEBUG_HELP",
 ]
 
 DEBUG_HELP = "--debug (or CT_DEBUG=1) shows the traceback of an error instead of its one-line summary"
 _TMP_MARK = ".tmp"
+# Every file the project creates: 0644 minus the umask, as a plain open() gives.
+FILE_MODE = 0o644
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 class UserError(Exception):
@@ -169,7 +182,8 @@ class OutputLock:
         import fcntl  # POSIX only; imported here so that the module imports everywhere
 
         ensure_writable_dir(self.directory, self.what)
-        fd = os.open(self.directory / self.NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        # never a link or a hard link planted at DIR/.lock: the lock file is truncated and written
+        fd = open_own(self.directory / self.NAME, os.O_RDWR | os.O_CREAT, "the lock file")
         OutputLock._held.add(fd)  # before the flock: a child forked from now on drops its copy
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -208,24 +222,102 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=OutputLock._drop_in_child)
 
 
-def _temporary_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+def open_own(path: str | os.PathLike, flags: int, what: str) -> int:
+    """A descriptor on ``path`` for writing in place, refused (UserError, one line) unless ``path``
+    is a regular file with one name: a symbolic link there is not followed (``O_NOFOLLOW``), a FIFO
+    is not waited on (``O_NONBLOCK``), and a hard link to a file elsewhere (two names) is not
+    written, so nothing planted in a shared folder redirects the write outside it."""
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | os.O_NONBLOCK, FILE_MODE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(
+                f"{path} is a symbolic link, expected {what} as a regular file: not followed; remove it "
+                "or choose another folder"
+            ) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        why = "is not a regular file" if not stat.S_ISREG(st.st_mode) else f"has {st.st_nlink} names (a hard link)"
+        raise UserError(f"{path} {why}, expected {what} as a regular file of its own: not written; remove it")
+    os.set_blocking(fd, True)
+    return fd
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """``write(tmp)`` into a temporary file beside ``path``, flush it to disk, then rename it over
-    ``path``. On any failure the temporary file is removed and an existing ``path`` is untouched."""
+def open_append(path: str | os.PathLike, fresh: bool = False) -> IO[str]:
+    """``path`` opened to append lines (a log that grows row by row, kept across a resume; with
+    ``fresh``, emptied first: a subprocess's output), by ``open_own``'s rules: never through a link.
+    The one way the project writes a file in place."""
+    fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a log")
+    if fresh:
+        os.ftruncate(fd, 0)  # after open_own's checks: O_TRUNC would empty a planted file first
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def _create_temporary(path: Path) -> tuple[Path, int]:
+    """A new file beside ``path`` that this call created (``O_EXCL``: a name planted there, a link
+    included, is never opened; another name is drawn). The pid in the name lets
+    ``remove_stale_temporaries`` tell a dead writer's leftovers from a live one's."""
+    for _ in range(16):
+        tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, FILE_MODE)
+        except FileExistsError:
+            continue
+    raise UserError(f"cannot create a temporary file beside {path}: every name tried exists")
+
+
+def atomic_write(
+    path: str | os.PathLike,
+    write: Callable[[IO[bytes]], object],
+    check: Callable[[Path], object] | None = None,
+    durable: bool = True,
+    within: str | os.PathLike | None = None,
+) -> Path:
+    """The one writer of the project's files: ``write(f)`` into a new temporary file beside
+    ``path`` (``f`` a binary file object), flushed to disk, ``check(tmp)`` (a read-back, if given),
+    then renamed over ``path``. The rename replaces whatever was at ``path``, a link included,
+    without following it: nothing outside the folder is written. On any failure the temporary
+    file is removed and ``path`` is untouched. ``durable=False`` skips the flush to disk (the
+    ``fsync``), for the many files of a generated dataset whose completeness a last, durable file
+    marks (the synthetic datasets' manifest): a crash before it means the whole set is made again.
+    ``within``: the folder the caller was given, for a file in a subfolder it made there (a feature
+    cache's key folder): the file's folder must resolve inside it, so a link planted in place of
+    the subfolder cannot send the file elsewhere (one line, nothing written)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary_for(path)
+    if within is not None:
+        root, folder = os.path.realpath(within), os.path.realpath(path.parent)
+        if os.path.commonpath([root, folder]) != root:
+            raise UserError(
+                f"{path}: its folder resolves to {folder}, outside {within} (a link in the way): not written; "
+                "remove the link"
+            )
+    tmp, fd = _create_temporary(path)
     try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        if check is not None:
+            check(tmp)
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     return path
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True) -> Path:
+    """``data`` through ``atomic_write``."""
+    return atomic_write(path, lambda f: f.write(data), durable=durable)
+
+
+def write_text(path: str | os.PathLike, text: str, durable: bool = True) -> Path:
+    """``text`` as UTF-8 through ``atomic_write``."""
+    return write_bytes(path, text.encode("utf-8"), durable)
 
 
 class NonFiniteValueError(UserError, ValueError):
@@ -270,12 +362,7 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> Pat
     bad = _first_non_finite(obj, "")
     if bad is not None:
         raise NonFiniteValueError(f"{path}: {bad[0] or 'the value'}={bad[1]}: not a finite number; nothing written")
-    text = json.dumps(obj, indent=indent, allow_nan=False)
-
-    def write(tmp: Path) -> None:
-        tmp.write_text(text)
-
-    return atomic_write(path, write)
+    return write_text(path, json.dumps(obj, indent=indent, allow_nan=False))
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
@@ -286,8 +373,8 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     directory = Path(directory)
     removed = []
     for tmp in directory.glob(f".*{_TMP_MARK}*"):
-        pid = tmp.name.rsplit(_TMP_MARK, 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and tmp.is_file():
+        pid = tmp.name.rsplit(_TMP_MARK, 1)[1].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and (tmp.is_file() or tmp.is_symlink()):
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed

@@ -101,20 +101,16 @@ class FileIndex(Sequence):
         return os.fsdecode(self._prefix + name), int(self.labels[i])
 
     def save(self, path: str | os.PathLike) -> Path:
-        def write(tmp: Path) -> None:
-            with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a path
-                np.savez(
-                    f,
-                    blob=self.blob,
-                    offsets=self.offsets,
-                    labels=self.labels,
-                    classes=np.array(self.classes, dtype=str),
-                    root=np.array(self.root),
-                    shards=np.array(self.shards, dtype=str),
-                    locations=self.locations,
-                )
-
-        return atomic_write(path, write)
+        arrays = {
+            "blob": self.blob,
+            "offsets": self.offsets,
+            "labels": self.labels,
+            "classes": np.array(self.classes, dtype=str),
+            "root": np.array(self.root),
+            "shards": np.array(self.shards, dtype=str),
+            "locations": self.locations,
+        }
+        return atomic_write(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
     def load(cls, path: str | os.PathLike, root: str | os.PathLike) -> "FileIndex":

@@ -10,7 +10,6 @@ anything else reads it. ``file://`` names a local path, not the network.
 
 from __future__ import annotations
 
-import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -77,15 +76,13 @@ def fetch(url: str, what: str, allow: bool, max_bytes: int) -> bytes:
 
 
 def fetch_to(url: str, dest: Path, what: str, allow: bool, max_bytes: int) -> Path:
-    """The file at ``url`` (``_chunks``) written to ``dest`` (atomically: a part file renamed)."""
+    """The file at ``url`` (``_chunks``) written to ``dest`` by the project's writer (``atomic_write``)."""
+    from contrastive_transfer.cli import atomic_write
+
     _refuse_unless(allow, url, what)  # before anything is created
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
-    try:
-        with open(part, "wb") as f:
-            for chunk in _chunks(url, what, allow, max_bytes):
-                f.write(chunk)
-        os.replace(part, dest)
-    finally:
-        part.unlink(missing_ok=True)
-    return dest
+
+    def write(f) -> None:
+        for chunk in _chunks(url, what, allow, max_bytes):
+            f.write(chunk)
+
+    return atomic_write(dest, write)

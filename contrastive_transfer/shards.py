@@ -357,8 +357,8 @@ class ShardWriter:
     def _flush(self) -> None:
         name = f"{self.prefix}-{len(self.counts):06d}.tar"
 
-        def write(tmp: Path) -> None:
-            with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+        def write(f) -> None:
+            with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
                 for key, fields in self._pending:
                     for ext in sorted(fields):
                         info = tarfile.TarInfo(f"{key}.{ext}")

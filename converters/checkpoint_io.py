@@ -185,7 +185,13 @@ def _load_file(path: Path):
     return _numpy_to_torch(ckpt, str(path))
 
 
-SAFETENSORS_FORMAT = "contrastive-transfer/torchvision-safetensors/v1"
+# The record a weights file written by the converters carries under ``METADATA_KEY``, as strings
+# (all a .safetensors header holds; the same in a .pth and a .pkl, so one reader serves the three):
+# format, arch, stem, image_size (when known), weights_sha256, and how it was read (source_layout,
+# encoder). ``.safetensors`` files written before the .pth and .pkl carried it say the older format.
+WEIGHTS_METADATA_FORMAT = "contrastive-transfer/weights-metadata/v1"
+_METADATA_FORMATS = (WEIGHTS_METADATA_FORMAT, "contrastive-transfer/torchvision-safetensors/v1")
+METADATA_KEY = "metadata"
 MAX_IMAGE_SIZE = 4096  # a pretraining crop read from a file (--crop auto) is bounded by this
 
 
@@ -208,10 +214,10 @@ def _numpy_to_torch(ckpt, source: str, depth: int = 0, where: str = ""):
 _MAX_CONTAINER_DEPTH = 6  # the deepest layout container (classy_state_dict.base_model.model.trunk) is 4 levels down
 
 
-def _safetensors_record(ckpt, source: str) -> dict | None:
-    """The backbone record in the metadata that converters.to_torchvision writes, sizes bounded."""
-    meta = ckpt.get("metadata") if isinstance(ckpt, Mapping) else None
-    if not isinstance(meta, Mapping) or meta.get("format") != SAFETENSORS_FORMAT:
+def _metadata_record(ckpt, source: str) -> dict | None:
+    """The backbone record in the metadata the converters write (``weights_metadata``), sizes bounded."""
+    meta = ckpt.get(METADATA_KEY) if isinstance(ckpt, Mapping) else None
+    if not isinstance(meta, Mapping) or meta.get("format") not in _METADATA_FORMATS:
         return None
     size = meta.get("image_size", "")
     if size not in ("", None) and not (str(size).isdigit() and 1 <= int(size) <= MAX_IMAGE_SIZE):
@@ -222,6 +228,47 @@ def _safetensors_record(ckpt, source: str) -> dict | None:
         "image_size": int(size) if size not in ("", None) else None,
         "weights_sha256": meta.get("weights_sha256"),
     }
+
+
+def read_record(ckpt, source: str) -> dict | None:
+    """The record a loaded weights file carries: this project's backbone record (checkpoints), or
+    the converters' metadata (.safetensors, .pth, .pkl); None for a file from elsewhere."""
+    try:
+        return read_backbone_record(ckpt, source) or _metadata_record(ckpt, source)
+    except FormatError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def weights_metadata(arch: str, stem: str, image_size: int | None, weights_sha256: str, **how: str) -> dict[str, str]:
+    """The record a converted weights file carries under ``METADATA_KEY`` (strings only: the form a
+    .safetensors header holds), so that every evaluator reads the same from every format."""
+    meta = {"format": WEIGHTS_METADATA_FORMAT, "arch": arch, "stem": stem, "weights_sha256": weights_sha256, **how}
+    if image_size is not None:
+        meta["image_size"] = str(image_size)
+    return {k: v for k, v in meta.items() if v}
+
+
+def backbone_metadata(backbone: Backbone) -> dict[str, str]:
+    """``weights_metadata`` of a backbone read by ``load_backbone``."""
+    return weights_metadata(
+        backbone.arch,
+        backbone.stem,
+        backbone.image_size,
+        backbone.weights_sha256,
+        source_layout=backbone.layout,
+        encoder=backbone.encoder,
+    )
+
+
+def carried_metadata(ckpt, source: str) -> dict[str, str] | None:
+    """``weights_metadata`` of the record a loaded file carries (either form), None without one: what
+    a conversion that keeps tensors only (legacy_to_safe's .safetensors) writes beside them."""
+    record = read_record(ckpt, source)
+    if record is None:
+        return None
+    size = pretraining_image_size(record)
+    strings = {k: record.get(k) for k in ("arch", "stem", "weights_sha256")}
+    return weights_metadata(**{k: v if isinstance(v, str) else "" for k, v in strings.items()}, image_size=size)
 
 
 def pycls_problem(ckpt) -> str | None:
@@ -386,10 +433,7 @@ def load_backbone(path: str | os.PathLike, encoder: str = "query", layout: str =
     if layout != "auto" and layout not in LAYOUTS:
         raise CheckpointError(f"layout={layout!r}: expected 'auto' or one of {list(LAYOUTS)}")
     ckpt = _load_file(path)
-    try:  # this project's files: the version is checked here
-        record = read_backbone_record(ckpt, source) or _safetensors_record(ckpt, source)
-    except FormatError as e:
-        raise CheckpointError(str(e)) from None
+    record = read_record(ckpt, source)  # this project's files: the version is checked here
     try:
         return _read_backbone(ckpt, record, source, encoder, layout)
     except _KeyCollision as e:

@@ -13,7 +13,9 @@ bytes, None and dicts/lists/tuples of them; an ``argparse.Namespace`` (MoCo's ``
 dict. Anything else is dropped and listed, and so are quantized and sparse tensors (no reader
 takes them). OUT's suffix picks the format: ``.pth`` (torch.save, loads with ``weights_only=True``),
 ``.pkl`` (detectron2 weights for the restricted unpickler) or ``.safetensors`` (the tensors only,
-under dotted names). A tensor whose dtype the format lacks (numpy has no bfloat16 or float8) is
+under dotted names, with the record the file carries, a checkpoint's backbone record or a
+converter's ``metadata``, as the header's metadata: ``converters.checkpoint_io.weights_metadata``).
+A tensor whose dtype the format lacks (numpy has no bfloat16 or float8) is
 widened to float32 or complex64, which hold its values exactly, and listed. The written file is read
 back through the safe loader before it takes OUT's name.
 """
@@ -32,6 +34,7 @@ import torch
 from contrastive_transfer.cli import DEBUG_HELP, UserError, atomic_write, command
 from contrastive_transfer.safe_load import is_torch_zip, load_pickle, torch_load
 from contrastive_transfer.untrusted import open_untrusted
+from converters.checkpoint_io import CheckpointError, carried_metadata
 
 FLAG = "--i-trust-this-file"
 _SCALARS = (str, int, float, bool, bytes, type(None))
@@ -56,10 +59,11 @@ def _trusted_load(path: Path) -> Any:
     """The one unrestricted unpickling of the project (see the module docstring)."""
     if _saved_by_torch(path) or path.suffix in (".pth", ".pt", ".tar", ".pyth"):
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
+            with open_untrusted(path, "weights") as f:  # trusted code, but still no special file
+                return torch.load(f, map_location="cpu", weights_only=False)  # noqa: S614 - the opt-in
         except pickle.UnpicklingError:
             pass  # a plain pickle named .pth: read it as one below
-    with open(path, "rb") as f:
+    with open_untrusted(path, "weights") as f:
         return pickle.load(f, encoding="latin1")  # noqa: S301 - the opt-in
 
 
@@ -170,30 +174,24 @@ def _write(data: Any, out: Path) -> None:
     takes OUT's name: a file that would not load is never left there."""
     if out.suffix == ".pkl":
         payload = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
-
-        def write(tmp: Path) -> None:
-            tmp.write_bytes(payload)
-            load_pickle(tmp)
-
+        write, check = (lambda f: f.write(payload)), load_pickle
     elif out.suffix == ".safetensors":
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file, save
 
         tensors = _flat_tensors(data)
         if not tensors:
             raise UserError(f"{out}: the file holds no tensors to write as safetensors; use a .pth output")
+        try:  # the record the evaluators read (--crop auto's size), which tensors alone would lose
+            metadata = carried_metadata(data, str(out))
+        except CheckpointError as e:
+            raise UserError(f"{out}: not written, the file's record cannot be read ({e})") from None
 
-        def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp))
-            load_file(tmp)
-
+        write, check = (lambda f: f.write(save(tensors, metadata=metadata))), load_file
     else:
-
-        def write(tmp: Path) -> None:
-            torch.save(data, tmp)
-            torch_load(tmp)  # proves the promise: the new file loads weights-only
-
+        # the check proves the promise: the new file loads weights-only
+        write, check = (lambda f: torch.save(data, f)), torch_load
     try:
-        atomic_write(out, write)
+        atomic_write(out, write, check)
     except UserError as e:
         raise UserError(f"{out}: not written, the converted file does not load back ({e})") from None
 

@@ -11,7 +11,9 @@ function, so it is re-stated here:
     bnK                                  ->  convK.norm
     downsample.0, downsample.1           ->  shortcut, shortcut.norm
 
-The pickle is ``{"model": {name: numpy array}, "__author__": ..., "matching_heuristics": True}``:
+The pickle is ``{"model": {name: numpy array}, "__author__": ..., "matching_heuristics": True,
+"metadata": the backbone record}`` (``converters.checkpoint_io.weights_metadata``: arch, stem,
+image_size, weights_sha256 as strings, which the evaluators read and detectron2 ignores):
 detectron2 reads ``.pkl`` files with pickle and, with ``matching_heuristics``, matches each model
 key to the checkpoint key it ends with, so ``res2.0.conv1.weight`` lands on
 ``backbone.res2.0.conv1.weight`` (C4), ``backbone.bottom_up.res2...`` (FPN) and ``res5`` on
@@ -112,15 +114,17 @@ def convert(
 
 def _write_pickle(backbone: Backbone, out_path: Path) -> int:
     from contrastive_transfer.cli import atomic_write
+    from converters.checkpoint_io import METADATA_KEY, backbone_metadata
 
     model = to_detectron2(backbone)
-    payload = {"model": model, "__author__": AUTHOR, "matching_heuristics": True}
+    payload = {
+        "model": model,
+        "__author__": AUTHOR,
+        "matching_heuristics": True,
+        METADATA_KEY: backbone_metadata(backbone),
+    }
 
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
-
-    atomic_write(out_path, write)
+    atomic_write(out_path, lambda f: pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL))
     return len(model)
 
 

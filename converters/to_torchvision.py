@@ -2,13 +2,16 @@
 
     python -m converters.to_torchvision IN OUT.pth|OUT.safetensors [--encoder query|key] [--layout auto|...]
 
-``OUT.safetensors`` writes the same tensors as safetensors (loading runs no code), with the
-backbone record as metadata: ``format`` (``contrastive-transfer/torchvision-safetensors/v1``),
-``arch``, ``stem``, ``image_size`` (when known) and ``weights_sha256``; every converter and
-evaluator of this project reads it back, ``--crop auto`` included.
+``OUT.safetensors`` writes the same tensors as safetensors (loading runs no code). Both formats
+carry the backbone record as metadata (``converters.checkpoint_io.weights_metadata``): ``format``
+(``contrastive-transfer/weights-metadata/v1``), ``arch``, ``stem``, ``image_size`` (when known),
+``weights_sha256``, ``source_layout`` and ``encoder``, as strings: in the .safetensors header, and
+in the .pth as the one entry ``metadata`` beside the tensors. Every converter and evaluator of this
+project reads it back, ``--crop auto`` included.
 
-Load it with ``torchvision.models.<arch>().load_state_dict(sd, strict=False)`` (only ``fc.*`` is
-missing). A small-stem backbone keeps its 3x3 ``conv1``: rebuild the stem first
+Load it with ``torchvision.models.<arch>().load_state_dict(sd, strict=False)`` (``fc.*`` is
+missing and ``metadata`` unexpected; ``sd.pop("metadata")`` first for ``strict=True`` elsewhere).
+A small-stem backbone keeps its 3x3 ``conv1``: rebuild the stem first
 (``conv1 = Conv2d(3, 64, 3, 1, 1, bias=False)``, ``maxpool = Identity()``), or build the network with
 ``contrastive_transfer.contract.resnet_backbone(arch, "small")``.
 """
@@ -38,31 +41,17 @@ def convert(
 
 def _write_state_dict(backbone, out_path: Path) -> int:
     import torch  # here, so that --help answers at once
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from contrastive_transfer.cli import atomic_write
+    from converters.checkpoint_io import METADATA_KEY, backbone_metadata
 
+    meta = backbone_metadata(backbone)
     if out_path.suffix == ".safetensors":
-        atomic_write(out_path, lambda tmp: save_file(backbone.state_dict, str(tmp), metadata=_metadata(backbone)))
+        atomic_write(out_path, lambda f: f.write(save(backbone.state_dict, metadata=meta)))
     else:
-        atomic_write(out_path, lambda tmp: torch.save(backbone.state_dict, tmp))
+        atomic_write(out_path, lambda f: torch.save({**backbone.state_dict, METADATA_KEY: meta}, f))
     return len(backbone.state_dict)
-
-
-def _metadata(backbone) -> dict[str, str]:
-    from converters.checkpoint_io import SAFETENSORS_FORMAT
-
-    meta = {
-        "format": SAFETENSORS_FORMAT,
-        "arch": backbone.arch,
-        "stem": backbone.stem,
-        "weights_sha256": backbone.weights_sha256,
-        "source_layout": backbone.layout,
-        "encoder": backbone.encoder,
-    }
-    if backbone.image_size is not None:
-        meta["image_size"] = str(backbone.image_size)
-    return meta
 
 
 def _report(summary: dict) -> str:

@@ -12,7 +12,11 @@ import os
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError, command
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
+from pretrain.augment.views import PRESETS
 from pretrain.config import load_config
+from pretrain.data_backends import BACKENDS
+from pretrain.losses import LOSSES
+from pretrain.methods import METHODS
 
 
 def launched_processes() -> int:
@@ -83,6 +87,10 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             f"recipes (configs/pretrain/): {', '.join(recipes)}\n"
+            f"methods (method.name): {' | '.join(METHODS)}\n"
+            f"losses of an InfoNCE host (method.loss.name): {' | '.join(LOSSES)}\n"
+            f"augmentation presets (data.augmentation): {' | '.join(PRESETS)}\n"
+            f"data backends (data.backend): {' | '.join(BACKENDS)}\n"
             "keys and their defaults: pretrain/config.py (engine), each method's `defaults` in "
             "pretrain/methods/ and each loss's options (method.loss) in pretrain/losses/registry.py; "
             "docs/methods.md explains them.\n" + DEBUG_HELP
@@ -98,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved config as the run saves it in config.yaml (YAML, loadable as a recipe) and exit",
+        help="print the resolved config as the run saves it in config.yaml (YAML, loadable as a recipe), then "
+        "as comments what the run resolves from it on this machine (every view as built, the scaled lr, "
+        "the automatic settings), and exit",
     )
     args = p.parse_args(argv)
     if not args.print_config:
@@ -108,9 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     precision, note = resolve_mixed_precision(cfg)
     cfg.train.mixed_precision = precision  # what runs: in config.yaml, the checkpoints and --print-config
     if args.print_config:
-        from omegaconf import OmegaConf
+        from pretrain.resolved import config_text, run_device
 
-        print(OmegaConf.to_yaml(cfg), end="")  # as the run writes config.yaml
+        print(config_text(cfg, run_device(cfg), num_processes), end="")  # as the run writes config.yaml
         return
 
     from datetime import timedelta

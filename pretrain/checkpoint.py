@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,6 +22,7 @@ from omegaconf import OmegaConf
 
 from contrastive_transfer.cli import UserError, atomic_write
 from contrastive_transfer.contract import (
+    FINAL_NAME,
     LAST_NAME,
     METHOD_STATE,
     PREV_NAME,
@@ -31,6 +31,7 @@ from contrastive_transfer.contract import (
     training_state,
 )
 from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
+from contrastive_transfer.untrusted import read_untrusted
 from pretrain import dist
 from pretrain.config import config_defaults
 from pretrain.migrate import upgrade_saved
@@ -43,21 +44,23 @@ class ResumeError(UserError):
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     """torch.save through a temporary file renamed over ``path``: a crash never leaves a torn file,
     and a failed write leaves no temporary behind."""
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def keep_previous(last: Path) -> None:
     """Make ``checkpoint_prev.pth`` the current ``last`` (a hard link, renamed into place, so both
     names exist at every moment) before ``last`` is replaced: one bad write can never destroy the
     only good state."""
-    if not last.is_file():
+    if not last.is_file() or last.is_symlink():  # a link is no state of this run's: never kept as its previous one
         return
     prev, tmp = last.with_name(PREV_NAME), last.with_name(f".{PREV_NAME}.tmp{os.getpid()}")
     tmp.unlink(missing_ok=True)
     try:
-        os.link(last, tmp)
-    except OSError:  # a filesystem without hard links
-        shutil.copy2(last, tmp)
+        # a new name for the same file: creating it never follows a link planted at tmp (EEXIST)
+        os.link(last, tmp, follow_symlinks=False)
+    except OSError:  # a filesystem without hard links: a copy, through the gate and the writer
+        atomic_write(prev, lambda f: f.write(read_untrusted(last, "training state")))
+        return
     os.replace(tmp, prev)
 
 
@@ -167,20 +170,39 @@ def _all_dicts(items: list) -> bool:
     return all(isinstance(item, dict) for item in items)
 
 
+# A changed name explains every option that comes and goes with it: named first, method before loss.
+_NAME_KEYS = ("method.name", "method.loss.name")
+
+
+def _precedence(change: tuple[str, Any, Any]) -> int:
+    """The order a refusal names changes in: a method's or loss's name, then a value that changed,
+    then a key that one side lacks (an option of the other loss, a key added since)."""
+    key, was, now = change
+    if key in _NAME_KEYS:
+        return _NAME_KEYS.index(key)
+    return len(_NAME_KEYS) + (was is _ABSENT or now is _ABSENT)
+
+
 def _check_same_setup(path: Path, saved: dict, cfg) -> None:
     saved = upgrade_saved(saved)
     current = OmegaConf.to_container(cfg)
     defaults = OmegaConf.to_container(config_defaults(cfg.method.name, OmegaConf.select(cfg, "method.loss.name")))
-    for invariant in RESUME_INVARIANT_KEYS:
-        trees = (_select(t, invariant, _ABSENT) for t in (saved, current, defaults))
-        for key, was, now in _changes(invariant, *trees):
-            before = f"without {key}" if was is _ABSENT else f"with {key}={was}"
-            after = f"no {key}" if now is _ABSENT else f"{key}={now}"
-            raise ResumeError(
-                f"checkpoint {path} was written {before}, this run has {after}: "
-                "resume with the same setting, or start afresh with train.resume=none "
-                "or another train.output_dir"
-            )
+    changes = [
+        change
+        for invariant in RESUME_INVARIANT_KEYS
+        for change in _changes(invariant, *(_select(t, invariant, _ABSENT) for t in (saved, current, defaults)))
+    ]
+    if not changes:
+        return
+    key, was, now = min(changes, key=_precedence)  # the first of the most telling kind
+    before = f"without {key}" if was is _ABSENT else f"with {key}={was}"
+    after = f"no {key}" if now is _ABSENT else f"{key}={now}"
+    others = [k for k, _, _ in changes if k != key]
+    also = f" (also differing: {', '.join(others[:3])}{f' and {len(others) - 3} more' if len(others) > 3 else ''})"
+    raise ResumeError(
+        f"checkpoint {path} was written {before}, this run has {after}{also if others else ''}: "
+        "resume with the same setting, or start afresh with train.resume=none or another train.output_dir"
+    )
 
 
 def read_training_state(path: Path) -> dict:
@@ -243,6 +265,32 @@ def resume_candidates(cfg) -> list[Path]:
             f"train.resume={choice!r}: no such checkpoint; give the path of a checkpoint_last.pth, or auto/none"
         )
     return [Path(choice)]
+
+
+def refuse_replacing_final(cfg) -> None:
+    """A run never replaces a finished run's ``checkpoint_final.pth`` that it does not continue:
+    with one in ``train.output_dir``, the run must resume from that folder's own training state
+    (``checkpoint_last.pth`` or ``checkpoint_prev.pth``); starting afresh there (``train.resume=none``,
+    ``auto`` with no training state left, or a training state from elsewhere) is one line, and
+    nothing in the folder is touched. Called under the folder's lock, before anything is written."""
+    out = Path(cfg.train.output_dir)
+    final = out / FINAL_NAME
+    if not os.path.lexists(final):
+        return
+    own = {os.path.abspath(p) for p in (out / LAST_NAME, out / PREV_NAME, final)}
+    candidates = resume_candidates(cfg)
+    if any(os.path.abspath(p) in own for p in candidates):
+        return  # continues this folder's run (an unreadable state is choose_resume's one line)
+    how = (
+        f"resumes from {candidates[0]}, another run's state"
+        if candidates
+        else "starts afresh: the folder has no checkpoint_last.pth or checkpoint_prev.pth to continue"
+    )
+    raise ResumeError(
+        f"{final} is a finished run's output, and this run (train.resume={cfg.train.resume}) {how}, so it would "
+        "replace it; nothing was written. Choose another train.output_dir, or move the folder's files away "
+        "to train there again"
+    )
 
 
 def last_good(out: Path) -> str:

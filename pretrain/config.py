@@ -41,7 +41,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "model": {"arch": "resnet50", "stem": "imagenet"},  # stem: imagenet | small (3×3/1 conv, no max-pool)
     "data": {
         "root": "datasets/imagenet/train",  # ImageFolder, flat folder, or tar shards: S/train-{000000..000127}.tar
-        "augmentation": "mocov2",  # the preset of configs/augment/: mocov1 | mocov2 | simclr | byol | supervised
+        "augmentation": "mocov2",  # a preset of configs/augment/ (`python -m pretrain --help` lists them)
         # null: the preset's views; a list replaces them; data.views.0.jitter.p=0.5 edits (docs/augmentation.md)
         "views": None,
         "image_size": 224,
@@ -51,7 +51,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         "max_bad_fraction": 0.001,  # stop when more than this fraction of images cannot be decoded
         "colour_on_device": None,  # colour ops on the GPU after a uint8 copy (null: on CUDA yes, on CPU no)
         # fast: decode once, uint8 views by OpenCV/numba, normalised on the device (pretrain/augment/fast.py);
-        # torchvision: the exact reference; device: JPEGs decoded and augmented on the GPU (docs/augmentation.md)
+        # torchvision: the exact reference; device: JPEGs decoded and augmented on the GPU; device_batched: the
+        # same with the crops of a batch in a few launches (docs/augmentation.md)
         "backend": DEFAULT_BACKEND,
     },
     "optim": {

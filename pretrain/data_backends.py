@@ -5,7 +5,8 @@ batch of images, how its samples are collated, and what the device makes of the 
   libjpeg-turbo, OpenCV and numba; uint8 views, normalised on the device.
 - ``torchvision``: the exact reference; the workers run each ``ViewTransform`` (float32 views).
 - ``device`` (pretrain/augment/on_device.py): the workers send each JPEG's bytes and the draws;
-  the device decodes and augments.
+  the device decodes and augments, each image's crops by the reference's resize.
+- ``device_batched``: the same, with the crops of a whole batch in a few launches (``roi_align``).
 
 A backend is one ``DataBackend`` class, registered by its name in ``BACKENDS``: the one place a
 name is turned into a pipeline. Every sample and every batch a backend makes carries that name
@@ -309,6 +310,7 @@ class DeviceBackend(DataBackend):
     file's bytes and the draws, no pixels); the device decodes the batch and makes its views."""
 
     name = "device"
+    geometry = "exact"  # the reference's crops one image at a time (pretrain/augment/on_device.py)
 
     def __init__(self, views: Sequence[Callable], colour_on_device: bool):
         from pretrain.augment.on_device import DeviceView
@@ -334,7 +336,7 @@ class DeviceBackend(DataBackend):
 
         data, (height, width) = decoded
         boxes, flips, uniforms = zip(*(view.sample(height, width) for view in self.on_device))
-        return Encoded(data, torch.tensor(boxes), torch.tensor(flips), list(uniforms))
+        return Encoded(data, torch.tensor(boxes), torch.tensor(flips), list(uniforms), self.name)
 
     def items(self, dataset, indices: Sequence[int]) -> list[tuple[Any, int, list[str]]]:
         return list(zip(*self._drawn(dataset, indices)))
@@ -351,10 +353,22 @@ class DeviceBackend(DataBackend):
     ) -> list[torch.Tensor]:
         from pretrain.augment.on_device import decode_views
 
-        return [v.to(memory_format=memory_format) for v in decode_views(views, transforms, device)]
+        views = decode_views(views, transforms, device, geometry=cls.geometry)
+        return [v.to(memory_format=memory_format) for v in views]
 
 
-BACKENDS: dict[str, type[DataBackend]] = {b.name: b for b in (FastBackend, TorchvisionBackend, DeviceBackend)}
+class DeviceBatchedBackend(DeviceBackend):
+    """``data.backend: device_batched``: the device backend with the crops and resizes of a whole
+    batch in a few launches (``roi_align``), within a stated PSNR of the reference's antialiased
+    resize instead of equal to it (docs/augmentation.md)."""
+
+    name = "device_batched"
+    geometry = "batched"
+
+
+BACKENDS: dict[str, type[DataBackend]] = {
+    b.name: b for b in (FastBackend, TorchvisionBackend, DeviceBackend, DeviceBatchedBackend)
+}
 
 
 def backend_of(views) -> type[DataBackend]:

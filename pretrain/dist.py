@@ -199,10 +199,16 @@ class PendingFlags:
         self.flags = flags.to(torch.int32)
         self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MIN, async_op=True) if world_size() > 1 else None
 
-    def wait(self) -> list[bool]:
+    def reduced(self) -> torch.Tensor:
+        """The reduced flags, still on the device: on NCCL the wait orders the device's stream
+        after the reduction without blocking the host (gloo's blocks until it is done)."""
         if self.work is not None:
             self.work.wait()
-        return [bool(v) for v in self.flags.tolist()]  # the one host read of the step
+            self.work = None
+        return self.flags
+
+    def wait(self) -> list[bool]:
+        return [bool(v) for v in self.reduced().tolist()]  # a host read
 
 
 def start_all_ranks_true(flags: torch.Tensor) -> PendingFlags:

@@ -10,6 +10,7 @@ run continues exactly where the interrupted one stopped.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -20,14 +21,23 @@ from typing import IO, Any, NoReturn
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from contrastive_transfer.cli import OutputLock, UserError, atomic_write, json_line, remove_stale_temporaries
+from contrastive_transfer import json_limits
+from contrastive_transfer.cli import (
+    OutputLock,
+    UserError,
+    json_line,
+    open_append,
+    remove_stale_temporaries,
+    write_bytes,
+    write_text,
+)
 from contrastive_transfer.contract import FINAL_NAME, LAST_NAME
 from contrastive_transfer.paths import printable
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptSignals, ignore_in_worker
 from contrastive_transfer.progress import Laps, progress
+from contrastive_transfer.untrusted import read_untrusted
 from pretrain import dist
 from pretrain.checkpoint import (
     ResumeError,
@@ -37,6 +47,7 @@ from pretrain.checkpoint import (
     last_good,
     load_training_state,
     read_training_state,
+    refuse_replacing_final,
     save_training_state,
 )
 from pretrain.config import per_process_batch, scaled_lr
@@ -55,6 +66,8 @@ from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
 from pretrain.models import Encoder, convert_sync_batchnorm
 from pretrain.optim import build_optimizer, lr_at
+from pretrain.resolved import automatic, config_text
+from pretrain.step_guard import StepGuard
 
 FILE_INDEX_NAME = "file_index.npz"  # the dataset's images as this run reads them (pretrain.data.shared_index)
 
@@ -63,17 +76,24 @@ class NonFiniteLossError(UserError):
     """The loss, or the parameters after a step, stopped being finite; nothing was saved."""
 
 
-def claim_output_dir(out: Path, main: bool) -> OutputLock | None:
+def claim_output_dir(cfg, main: bool) -> OutputLock | None:
     """The main process locks the output directory for the whole run (a second run into it stops
-    at once, naming the holder); every process learns the outcome, so all stop together."""
+    at once, naming the holder) and checks that the run replaces no finished run's output it does
+    not continue (``refuse_replacing_final``); every process learns the outcome, so all stop
+    together."""
+    out = Path(cfg.train.output_dir)
     lock, error = None, None
     if main:
         try:
             lock = OutputLock(out, "train.output_dir").acquire()
+            refuse_replacing_final(cfg)
             for tmp in remove_stale_temporaries(out):
                 print(f"removed {tmp.name}, left by a killed write")
         except UserError as e:
             error = str(e)
+            if lock is not None:
+                lock.release()
+                lock = None
     error = dist.decided_by_rank0(error)
     if error:
         raise UserError(error)
@@ -82,15 +102,28 @@ def claim_output_dir(out: Path, main: bool) -> OutputLock | None:
 
 def trim_metrics(path: Path, step: int) -> None:
     """Drop the rows past ``step`` that an interrupted run logged after its last checkpoint: the
-    resumed run logs those steps again, and every step must appear once."""
-    if not path.is_file():
+    resumed run logs those steps again, and every step must appear once. The log is read through
+    the gate (a regular file within the metrics log's cap) and the JSON limits; a link there is
+    refused, not adopted (a run's log is its own file), and a row that is not an object with an
+    integer step is one line naming the line."""
+    if os.path.islink(path):
+        raise UserError(f"{path} is a symbolic link, expected this run's own metrics log: not read; remove it")
+    if not os.path.lexists(path):
         return
-    kept = [
-        line
-        for line in path.read_text().splitlines(keepends=True)
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
-    atomic_write(path, lambda tmp: tmp.write_text("".join(kept)))
+    kept = []
+    for number, line in enumerate(read_untrusted(path, "log").splitlines(keepends=True), 1):
+        if not line.strip():
+            continue
+        row = json_limits.loads(line, f"{path} line {number}")
+        row_step = row.get("step", 0) if isinstance(row, dict) else row
+        if type(row_step) is not int:
+            raise UserError(
+                f"{path} line {number}: {json.dumps(row_step)[:80]}, expected a row of metrics (an object) with an "
+                "integer step; remove the line or the file"
+            )
+        if row_step <= step:
+            kept.append(line)
+    write_bytes(path, b"".join(kept))
 
 
 @torch.no_grad()
@@ -163,13 +196,8 @@ def gpu_settings(cfg, method: torch.nn.Module, device: torch.device) -> SpeedSet
     with AMP; on CPU it is rarely faster. Compilation covers the encoders only (the losses gather
     across processes, which graphs would break on) and keeps parameter names, so checkpoints are
     the same with or without it."""
-    cuda = device.type == "cuda"
-    t = cfg.train
-    speed = SpeedSettings(
-        cuda if t.channels_last is None else t.channels_last,
-        cuda if t.cudnn_benchmark is None else t.cudnn_benchmark,
-        bool(t.compile),
-    )
+    chosen = automatic(cfg, device)  # what config.yaml says under the config
+    speed = SpeedSettings(chosen["train.channels_last"], chosen["train.cudnn_benchmark"], chosen["train.compile"])
     torch.backends.cudnn.benchmark = speed.cudnn_benchmark
     if speed.channels_last:
         method.to(memory_format=torch.channels_last)
@@ -196,6 +224,7 @@ class Run:
     last_step: int
     bad_images: BadImageTracker
     preempt: PreemptSignals
+    guard: StepGuard  # the stop conditions, decided on the device (pretrain/step_guard.py)
     metrics: IO[str] | None = None  # metrics.jsonl on the main process, opened once the resume trimmed it
     laps: Laps = field(default_factory=Laps)  # where the wall time since the previous row went
     stopping: bool = False  # all processes agreed to stop after this step (a preemption signal)
@@ -210,7 +239,7 @@ def train(cfg, accelerator: Accelerator) -> Path:
     is this run's alone until it returns or fails. A preemption signal (``train.preempt_signals``)
     ends the run after the step it reached, saved, by raising ``Preempted``."""
     preempt = PreemptSignals(cfg.train.preempt_signals)  # a bad signal name stops before any work
-    lock = claim_output_dir(Path(cfg.train.output_dir), accelerator.is_main_process)
+    lock = claim_output_dir(cfg, accelerator.is_main_process)
     run = None
     try:
         with preempt:
@@ -218,7 +247,7 @@ def train(cfg, accelerator: Accelerator) -> Path:
             step = resume(cfg, accelerator, run.method, run.optimizer, run.steps_per_epoch)
             if accelerator.is_main_process:
                 trim_metrics(run.out / "metrics.jsonl", step)
-                run.metrics = open(run.out / "metrics.jsonl", "a")
+                run.metrics = open_append(run.out / "metrics.jsonl")
             accelerator.init_trackers("pretrain")
             step = train_loop(run, step)
             if step < run.last_step:
@@ -260,6 +289,8 @@ def train_loop(run: Run, step: int) -> int:
         if run.stopping and step < run.last_step:
             break  # its checkpoint is written; the epoch end's kNN monitor would only delay the exit
         end_of_epoch(run, step, bar)
+        if run.stopping:
+            break  # several processes: the stop was agreed when the epoch's checkpoint read the flags
     bar.close()
     waited, wall = run.laps.totals.get("data", 0.0), run.laps.mark - run.laps.first
     run.accelerator.print(
@@ -308,6 +339,7 @@ def setup(cfg, accelerator: Accelerator, preempt: PreemptSignals) -> Run:
         last_step = min(last_step, cfg.train.max_steps)
 
     model, optimizer = accelerator.prepare(method, optimizer)
+    guard = StepGuard(accelerator.device, optimizer)
     return Run(
         cfg,
         accelerator,
@@ -321,13 +353,17 @@ def setup(cfg, accelerator: Accelerator, preempt: PreemptSignals) -> Run:
         last_step,
         BadImageTracker(cfg.data.max_bad_fraction),
         preempt,
+        guard,
     )
 
 
 def describe(cfg, accelerator: Accelerator, n_local: int) -> None:
-    """config.yaml, and the config and setup printed: a log says what ran."""
-    atomic_write(Path(cfg.train.output_dir) / "config.yaml", lambda tmp: tmp.write_text(OmegaConf.to_yaml(cfg)))
-    accelerator.print(OmegaConf.to_yaml(cfg))
+    """config.yaml (the config, then what the run resolves from it on this machine: the views it
+    builds, the scaled lr, the automatic settings; what --print-config prints), printed too: a log
+    says what ran."""
+    text = config_text(cfg, accelerator.device, accelerator.num_processes)
+    write_text(Path(cfg.train.output_dir) / "config.yaml", text)
+    accelerator.print(text)
     accelerator.print(
         f"git {git_sha()} | {accelerator.num_processes} process(es) on {accelerator.device} | batch "
         f"{cfg.train.batch_size} global = {n_local} per process | lr {scaled_lr(cfg):.4g} "
@@ -339,7 +375,7 @@ def describe(cfg, accelerator: Accelerator, n_local: int) -> None:
 def build_data(cfg, accelerator: Accelerator, method, n_local: int) -> DataLoader:
     views = method.view_transforms(cfg)  # two views of data.augmentation, or the method's own (multi-crop)
     device = accelerator.device
-    colour_on_device = device.type == "cuda" if cfg.data.colour_on_device is None else cfg.data.colour_on_device
+    colour_on_device = automatic(cfg, device)["data.colour_on_device"]
     saved = Path(cfg.train.output_dir) / FILE_INDEX_NAME
     index = shared_index(cfg.data.root, saved, accelerator.is_main_process, fresh=cfg.train.resume == "none")
     dataset = ImageDataset(
@@ -353,7 +389,7 @@ def build_data(cfg, accelerator: Accelerator, method, n_local: int) -> DataLoade
         accelerator.process_index,
         cfg.train.seed,
         cfg.data.num_workers,
-        cfg.data.pin_memory and device.type == "cuda",
+        automatic(cfg, device)["data.pin_memory"],
     )
 
 
@@ -373,6 +409,9 @@ def train_one_epoch(run: Run, step: int, bar) -> int:
     for images, labels, bad in prefetch(run.loader, partial(to_device, run), run.accelerator.device):
         run.laps.lap("data")
         run.bad_images.update(bad, run.n_local)
+        if run.guard.several and read_verdict(run):  # the previous step's flags, read a step late
+            save_checkpoint(run, step)
+            break
         row = train_one_step(run, step, images, labels)
         step += 1
         if row is not None:
@@ -395,55 +434,63 @@ PER_STEP, BETWEEN_STEPS = ("data", "step"), ("checkpoint", "knn")
 
 def train_one_step(run: Run, step: int, images, labels) -> dict | None:
     """Global step ``step + 1``, and its checkpoint when one is due; returns its metrics row when
-    the step is one that logs (else None). A preemption signal received on any process makes this
-    step the last: all processes save it and stop (``run.stopping``)."""
+    the step is one that logs (else None). Outside those steps nothing is read from the device: the
+    stop conditions are decided there (``run.guard``) and read where the host reads anyway. A
+    preemption signal makes this step the last: all processes save it and stop (``run.stopping``)."""
     cfg, method, optimizer = run.cfg, run.method, run.optimizer
     lr = lr_at(cfg, step, run.steps_per_epoch)
     for group in optimizer.param_groups:
         group["lr"] = lr
     diagnose = (step + 1) % cfg.train.diagnostics_every == 0
     method.watch_grad = diagnose
+    if not run.guard.several:
+        run.bad_images.check()  # one process: raises naming its unreadable files, before any work
 
     output = run.model(images, labels) if method.needs_labels else run.model(images)
     loss = output["loss"]
-    # The stop conditions in one reduction that travels during the backward; read just before the
-    # step, so the step never applies a non-finite update and all ranks stop together. A signal
-    # that arrives later is seen at the next step: every rank reads its flag at the same step.
-    flags = torch.stack(
-        [
-            torch.isfinite(loss.detach()).all(),
-            torch.tensor(not run.bad_images.exceeded, device=loss.device),
-            torch.tensor(run.preempt.received is None, device=loss.device),
-        ]
-    )
-    verdict = dist.start_all_ranks_true(flags)
+    # A signal that arrives later is seen at the next step: every rank reads its flag at the same step.
+    run.guard.start(step, loss, not run.bad_images.exceeded, run.preempt.received is None)
     optimizer.zero_grad(set_to_none=True)
     run.accelerator.backward(loss)
-    finite, images_ok, carry_on = verdict.wait()
-    if not images_ok:
-        run.bad_images.check()  # raises naming this process's unreadable files
-        raise UnreadableImagesError(
-            "unreadable images above data.max_bad_fraction on another process (see its error for the file names)"
-        )
-    if not finite:
-        raise NonFiniteLossError(
-            f"non-finite loss ({loss.item()}) at step {step} (epoch {step // run.steps_per_epoch}); {stopped(run)}"
-        )
+    run.guard.settle()  # the update below is left undone on the device if a flag says so
     optimizer.step()
     method.after_step(skipped=run.accelerator.optimizer_step_was_skipped)  # e.g. AdCo's ascent
 
     step += 1
-    run.stopping = not carry_on
+    if not run.guard.several:
+        run.stopping = run.preempt.received is not None
+    logs = step % cfg.train.log_every == 0 or diagnose or step == run.last_step
+    saves = step % cfg.train.checkpoint_every == 0 or step == run.last_step
     row = None
-    if step % cfg.train.log_every == 0 or diagnose or step == run.last_step or run.stopping:
-        row = metrics_row(run, step, lr, output, diagnose)  # reads the device: the step is done
+    if logs or saves or run.stopping:
+        read_verdict(run)  # those read the device anyway; several processes: this step's stop agreed
+        if logs or run.stopping:
+            row = metrics_row(run, step, lr, output, diagnose)
     run.laps.lap("step", steps=1)
-    if step % cfg.train.checkpoint_every == 0 or step == run.last_step or run.stopping:
+    if saves or run.stopping:
         save_checkpoint(run, step)
         run.laps.lap("checkpoint")
     if row is not None:
         row.update(run.laps.row(PER_STEP, BETWEEN_STEPS), time=time.time())  # time: wall clock, Unix seconds
     return row
+
+
+def read_verdict(run: Run) -> bool:
+    """What the device decided about the steps taken so far (a read): raises the stop's error, and
+    returns whether the processes agreed to stop after the last step (``run.stopping``)."""
+    verdict = run.guard.check()
+    if verdict.bad_step is not None:
+        step = verdict.bad_step
+        raise NonFiniteLossError(
+            f"non-finite loss ({verdict.bad_loss}) at step {step} (epoch {step // run.steps_per_epoch}); {stopped(run)}"
+        )
+    if verdict.images_elsewhere:
+        run.bad_images.check()  # raises naming this process's unreadable files
+        raise UnreadableImagesError(
+            "unreadable images above data.max_bad_fraction on another process (see its error for the file names)"
+        )
+    run.stopping = run.stopping or verdict.stop
+    return run.stopping
 
 
 def stopped(run: Run) -> str:
@@ -471,6 +518,7 @@ def log_row(run: Run, row: dict) -> None:
 
 def save_checkpoint(run: Run, step: int) -> None:
     """``checkpoint_last.pth`` at ``step`` (called on every process)."""
+    read_verdict(run)  # no state after a non-finite loss, or with another process's images over the limit
     # Never write a state that cannot be continued: checked on every process, agreed in one
     # reduction, so all of them stop together and nothing is written.
     if not dist.start_all_ranks_true(parameters_usable(run.method).unsqueeze(0)).wait()[0]:
@@ -491,7 +539,7 @@ def end_of_epoch(run: Run, step: int, bar) -> None:
     if step != run.last_step:
         save_checkpoint(run, step)
         run.laps.lap("checkpoint")
-    if run.cfg.knn.train_dir and epoch % run.cfg.knn.every_epochs == 0:
+    if run.cfg.knn.train_dir and not run.stopping and epoch % run.cfg.knn.every_epochs == 0:
         knn_monitor(run, step, bar)
 
 
@@ -520,6 +568,7 @@ def knn_monitor(run: Run, step: int, bar) -> None:
 def finish(run: Run, step: int) -> Path:
     """Export ``checkpoint_final.pth`` and list the unreadable images that were skipped."""
     final = run.out / FINAL_NAME
+    read_verdict(run)
     # printable: a file name that is not UTF-8 is written escaped, never failing the run at its end
     skipped = sorted({printable(path) for paths in dist.gather_objects(run.bad_images.bad) for path in paths})
     if run.accelerator.is_main_process:
@@ -528,7 +577,7 @@ def finish(run: Run, step: int) -> Path:
             run.metrics.close()
         if skipped:  # skip mode: say which files were replaced by their next readable neighbour
             listing = run.out / "unreadable_images.txt"
-            atomic_write(listing, lambda tmp: tmp.write_text("".join(f"{path}\n" for path in skipped)))
+            write_text(listing, "".join(f"{path}\n" for path in skipped))
             run.accelerator.print(
                 f"skipped {len(skipped)} unreadable images, e.g. {', '.join(skipped[:3])}; all of them in {listing}"
             )

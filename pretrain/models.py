@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from functools import partial
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +138,10 @@ def embed(encoder: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.normalize(z.to(torch.promote_types(z.dtype, torch.float32)), dim=1)
 
 
-def momentum_copy(encoder: nn.Module) -> nn.Module:
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def momentum_copy(encoder: _M) -> _M:
     """A frozen deep copy (a real copy: aliases would be de-duplicated by safetensors)."""
     target = copy.deepcopy(encoder)
     for p in target.parameters():

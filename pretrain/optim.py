@@ -34,6 +34,16 @@ class LARS(torch.optim.Optimizer):
 
     Groups with ``lars=False`` (BN, biases) skip the adaptation. Written here because neither
     torch nor torchvision ships LARS.
+
+    A handful of multi-tensor launches per group whatever its number of tensors, with the per-tensor
+    loop's arithmetic bit for bit (tests/pretrain/test_step_gpu_ready.py):
+    * the norms in one ``_foreach_norm`` each; the trust ratios multiply the gradients through one
+      broadcast buffer (``_per_tensor``), since a list of 0-dim factors sends ``_foreach_mul`` down
+      its one-launch-per-tensor path on CUDA;
+    * the new momentum v is computed out of place, then committed by torch's fused SGD kernel, whose
+      first-step form copies it into the buffer and subtracts it from w, exactly. That kernel reads
+      ``self.found_inf`` (``skip_on_device``): where it is 1, weights and momentum stay as they were,
+      decided on the device (the gradients may be NaN then: nothing reads them).
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0, eta: float = 1e-3):
@@ -44,27 +54,64 @@ class LARS(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            # torch._foreach_* ops: one fused kernel per op over all tensors of the group instead
-            # of a Python loop of several kernels per tensor; the arithmetic is the loop's.
-            grads = [p.grad for p in params]
-            if group["weight_decay"]:
-                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
-            else:
-                grads = [g.clone() for g in grads]
-            if group["lars"]:
-                w_norm = torch.stack(torch._foreach_norm(params))
-                g_norm = torch.stack(torch._foreach_norm(grads))
-                trust = torch.where(
-                    (w_norm > 0) & (g_norm > 0), group["eta"] * w_norm / g_norm, torch.ones_like(w_norm)
-                )
-                torch._foreach_mul_(grads, list(trust.unbind()))
-            bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
-            torch._foreach_mul_(bufs, group["momentum"])
-            torch._foreach_add_(bufs, grads, alpha=group["lr"])
-            torch._foreach_sub_(params, bufs)
+            if params:
+                self._update(group, params)
         return loss
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        grads = [p.grad for p in params]
+        if group["weight_decay"]:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        if group["lars"]:
+            w_norm = torch.stack(torch._foreach_norm(params))
+            g_norm = torch.stack(torch._foreach_norm(grads))
+            trust = torch.where((w_norm > 0) & (g_norm > 0), group["eta"] * w_norm / g_norm, torch.ones_like(w_norm))
+            grads = torch._foreach_mul(grads, _per_tensor(trust, grads))
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:  # not setdefault: its zeros_like would run every step
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        velocity = torch._foreach_mul(bufs, group["momentum"])
+        torch._foreach_add_(velocity, grads, alpha=group["lr"])
+        torch._fused_sgd_(  # buf ← velocity;  w ← w − 1·velocity;  nothing where found_inf is 1
+            params,
+            velocity,
+            bufs,
+            weight_decay=0.0,
+            momentum=1.0,  # any nonzero value: the first-step form copies, never multiplies by it
+            lr=1.0,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            is_first_step=True,
+            grad_scale=None,
+            found_inf=getattr(self, "found_inf", None),
+        )
+
+
+def _per_tensor(values: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``values[i]`` broadcast to the shape and strides of ``like[i]``, for every i, in one copy:
+    one flat buffer holding each value numel times, cut into views (a view that repeats one value
+    can take any dense layout, channels_last included); same shapes and strides are what keeps a
+    ``_foreach`` op on its multi-tensor path."""
+    numels = [t.numel() for t in like]
+    flat = torch.cat([v.expand(n) for v, n in zip(values.unbind(), numels)])  # views, then one copy
+    dense = [t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) for t in like]
+    return [
+        chunk.as_strided(t.shape, t.stride()) if ok else chunk.view(t.shape)
+        for chunk, t, ok in zip(flat.split(numels), like, dense)
+    ]
+
+
+def skip_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
+    """Make ``optimizer.step()`` a no-op on the device wherever ``found_inf`` (a 0-dim float tensor on
+    the parameters' device) is 1: the protocol of torch's fused optimizers and ``GradScaler``. The
+    engine sets it once; the tensor is updated in place every step, so the host never reads it.
+
+    Under fp16 the gradient scaler replaces the attribute by its own inf check for the step (and
+    removes it after), which catches the same non-finite gradients; the engine sets it again."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper keeps torch's optimizer there
+    inner.found_inf = found_inf
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
@@ -74,7 +121,8 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
         return LARS(groups, lr=scaled_lr(cfg), momentum=o.momentum, eta=o.lars_eta)
     for g in groups:
         g.pop("lars")
-    return torch.optim.SGD(groups, lr=scaled_lr(cfg), momentum=o.momentum)
+    # fused: one kernel per group and dtype instead of several per tensor, and the found_inf skip
+    return torch.optim.SGD(groups, lr=scaled_lr(cfg), momentum=o.momentum, fused=True)
 
 
 def lr_at(cfg, step: int, steps_per_epoch: int) -> float:

@@ -160,7 +160,9 @@ def check_converts(recipe: Path, tmp: Path, *overrides: str) -> None:
         summary = to_torchvision.convert(final, tmp / f"{encoder}.pth", encoder)
         weights = torch.load(tmp / f"{encoder}.pth", weights_only=True)
         missing, unexpected = getattr(torchvision.models, summary["arch"])().load_state_dict(weights, strict=False)
-        assert (sorted(missing), unexpected) == (["fc.bias", "fc.weight"], []), (missing, unexpected)
+        assert (sorted(missing), unexpected) == (["fc.bias", "fc.weight"], ["metadata"]), (missing, unexpected)
+        record = weights.pop("metadata")  # the record the evaluators read, beside the tensors
+        assert (record["encoder"], record["image_size"]) == (encoder, str(cfg.data.image_size)), record
         expected = net.state_dict()
         assert weights.keys() == expected.keys() and all(torch.equal(weights[k], v) for k, v in expected.items())
         if summary["stem"] == "imagenet":

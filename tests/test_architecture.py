@@ -206,8 +206,34 @@ def test_towers_depend_only_on_the_base_package(graph, package, allowed):
     assert not bad, "\n".join(bad)
 
 
+# How a method or loss module's docstring names its source (docs/extending.md, "Conventions"): an
+# arXiv id, a DOI, or, for a method that has no paper, a line "No paper: <why, and what it follows>".
+CITATION = re.compile(r"arXiv:\d{4}\.\d{4,5}|doi:10\.\d{4,9}/\S+|^No paper: \S.{10,}", re.MULTILINE)
+
+
+def cites_a_paper(docstring: str | None) -> bool:
+    return bool(CITATION.search(docstring or ""))
+
+
+def test_the_citation_rule_takes_every_form_the_guide_names():
+    assert cites_a_paper('Paper: "Momentum Contrast", CVPR 2020, arXiv:1911.05722.')
+    assert cites_a_paper("Paper: Y. LeCun et al., Proc. IEEE 1998, doi:10.1109/5.726791.")
+    assert cites_a_paper("A baseline.\n\nNo paper: the cross-entropy classifier of torchvision's recipe.")
+    assert not cites_a_paper("Momentum Contrast (He et al. 2020).")  # a name and a year are no citation
+    assert not cites_a_paper("No paper:")  # without the reason
+    guide = (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
+    conventions = " ".join(guide.split("## Conventions the suite enforces")[1].split("\n## ")[0].split())
+    assert all(form in conventions for form in ("`arXiv:NNNN.NNNNN`", "`doi:10.`", "`No paper: ...`"))
+    # the other conventions a test enforces, each with the test that does
+    for said in ("`>>>`", "test_loss_examples.py", "tiny_<name>.yaml", "test_engine.py", "build_encoder"):
+        assert said in conventions, said
+    for named in re.findall(r"`(tests/[\w/]+\.py)`", conventions):
+        assert (ROOT / named).is_file(), named
+
+
 def test_methods_and_losses_cite_their_papers():
-    """Each method module and each loss module names its paper (title, authors, year, arXiv id)."""
+    """Each method module and each loss module names its paper (title, authors, year, and an arXiv
+    id or a DOI), or says it has none and why."""
     paths = [
         p
         for folder in ("pretrain/methods", "pretrain/losses")
@@ -217,6 +243,15 @@ def test_methods_and_losses_cite_their_papers():
     missing = [
         str(p.relative_to(ROOT))
         for p in paths
-        if not re.search(r"arXiv:\d{4}\.\d{4,5}", ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or "")
+        if not cites_a_paper(ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))))
     ]
-    assert paths and not missing, f"module docstrings without an arXiv citation: {missing}"
+    assert paths and not missing, f"module docstrings without a citation (arXiv, DOI or 'No paper: why'): {missing}"
+
+
+def test_mypy_covers_the_methods_and_the_losses():
+    """`make lint` type-checks what a new method or loss touches (docs/extending.md): the files of
+    [tool.mypy] include both packages (mypy itself runs in `make lint`, a minute on two cores)."""
+    import tomllib
+
+    files = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]["files"]
+    assert {"pretrain/methods", "pretrain/losses"} <= set(files), files

@@ -173,6 +173,25 @@ def test_run_step_forwards_the_signal_and_requeues(tmp_path):
     assert "requeueing job 4242" in err
 
 
+def test_a_signal_before_the_step_exists_still_stops_it_and_requeues(tmp_path):
+    """The signal arrives right after run_step sets its trap, before `step=$!`: the batch shell must
+    not die on an unset variable (set -u) but stop the step once it exists and requeue. `trap` is
+    wrapped so that the shell signals itself at that very point."""
+    script = (
+        f"source {REPO}/tools/slurm/run_step.sh\n"
+        'trap() { builtin trap "$@"; [ "$1" = - ] || kill -USR1 $$; }\n'  # the signal inside the window
+        f"run_step {sys.executable} {tmp_path}/trainer.py {tmp_path}/saved {tmp_path}/started 60 0\n"
+        "echo after-step $?\n"
+    )
+    shell = subprocess.Popen(
+        ["bash", "-c", script], env=_fake_slurm(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = shell.communicate(timeout=30)  # the step sleeps 60 s unless it was told to stop
+    assert "unbound variable" not in err, err
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"], err
+    assert shell.returncode == 0 and "after-step" not in out and "requeueing job 4242" in err
+
+
 def test_run_step_without_a_signal_neither_requeues_nor_hides_the_exit_code(tmp_path):
     # The control of the test above: the step ends by itself, with its own code.
     shell = _run_step(tmp_path, sleep_s=0, exit_code=3)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.learning import DIGITS_EPOCHS  # the learning table's digits budget, the demo's too
+from contrastive_transfer.cli import atomic_write, open_append, write_text
 from contrastive_transfer.json_limits import read_json, read_json_lines
 from contrastive_transfer.synthetic.digits import DETECTION_OVERRIDES, PRETRAIN_OVERRIDES
 
@@ -134,7 +135,7 @@ def run_side_by_side(commands: tuple[list[str], ...], log: Path, env: dict) -> s
     procs = []
     for i, cmd in enumerate(commands):
         part = log.with_suffix(f".{i}.log")
-        with open(part, "w") as f:
+        with open_append(part, fresh=True) as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
             one_core = {**os.environ, **env, "OMP_NUM_THREADS": "1"}
@@ -150,7 +151,7 @@ def run_stage(stage: Stage, logs: Path, env: dict) -> str | None:
         failure = run_side_by_side(stage.side_by_side, log, env)
         if failure:
             return failure
-    with open(log, "w") as f:
+    with open_append(log, fresh=True) as f:
         if callable(stage.command):
             try:
                 stage.command()
@@ -170,7 +171,10 @@ def run_stage(stage: Stage, logs: Path, env: dict) -> str | None:
 
 
 def _last_line(log: Path) -> str:
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    from contrastive_transfer.untrusted import read_untrusted  # torch: imported when a file is read
+
+    text = read_untrusted(log, "log").decode("utf-8", errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1].strip()[:300] if lines else "(no output)"
 
 
@@ -205,13 +209,11 @@ def random_init_checkpoint(arch: str, path: Path, seed: int) -> None:
     import torch
     import torchvision
 
-    from contrastive_transfer.cli import atomic_write
-
     torch.manual_seed(seed)
     model = getattr(torchvision.models, arch)(weights=None)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("fc.")}
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: torch.save(state, tmp))
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def _py_detection(pkl: Path, data: Path, budget: Budget) -> Callable[..., list[str]]:
@@ -415,7 +417,7 @@ def comparison_plot(rows: dict, path: Path, data_name: str = "synthetic data") -
     ax.legend(loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -450,7 +452,7 @@ def write_report(args, budget: Budget, failed: dict[str, str]) -> Path:
     lines += [f"![{p.stem}]({p.relative_to(out)})" for p in plots if p.is_file()]
     report = out / "report.md"
     out.mkdir(parents=True, exist_ok=True)
-    report.write_text("\n".join(lines) + "\n")
+    write_text(report, "\n".join(lines) + "\n")
     return report
 
 
@@ -466,7 +468,7 @@ def claim_output(args) -> str | None:
             return f"{args.out} holds another demo ({diff}); pass --fresh (FRESH=1) to redo it, or another --out"
         return None
     args.out.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(settings, indent=1))
+    write_text(record, json.dumps(settings, indent=1))
     return None
 
 

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from contrastive_transfer.cli import atomic_write
+from contrastive_transfer.cli import UserError, atomic_write
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 from contrastive_transfer.progress import progress
 from contrastive_transfer.untrusted import open_untrusted
@@ -201,18 +201,37 @@ class FeatureCache:
     def get(self, extractor_for, dataset, split: str, layers: list[str], **extract_kwargs) -> dict[str, np.ndarray]:
         """Cached features of `layers`; the missing ones are extracted in one pass with
         `extractor_for(missing_layers)` and written atomically."""
-        missing = [name for name in layers if not self.path(dataset, split, name).is_file()]
+        folder = self._dir(dataset)
+        if folder.is_symlink():  # neither read nor written through: it would be another folder's features
+            raise UserError(f"{folder} is a symbolic link, expected a folder of this feature cache; remove it")
+        # a link is never adopted as a cached file (a cache may sit in a shared folder): extracted again and
+        # replaced by this run's own file
+        missing = [name for name in layers if not _own_file(self.path(dataset, split, name))]
         if missing:
             feats = extract(extractor_for(missing), dataset, desc=f"{split} features", **extract_kwargs)
             for name in missing:
-                atomic_write(self.path(dataset, split, name), lambda tmp, a=feats[name]: _save_npy(tmp, a))
-            meta = self._dir(dataset) / "cache.json"
-            atomic_write(meta, lambda tmp: tmp.write_text(json.dumps(self.identity, indent=1)))
+                # within the cache's root: a link planted in place of a key folder sends nothing elsewhere
+                atomic_write(self.path(dataset, split, name), lambda f, a=feats[name]: np.save(f, a), within=self.root)
+            meta = json.dumps(self.identity, indent=1).encode()
+            atomic_write(self._dir(dataset) / "cache.json", lambda f: f.write(meta), within=self.root)
         else:
             logger.info("features of %s (%s) read from the cache %s", split, ", ".join(layers), self._dir(dataset))
-        return {name: np.load(self.path(dataset, split, name)) for name in layers}
+        return {name: _read_npy(self.path(dataset, split, name)) for name in layers}
 
 
-def _save_npy(tmp: Path, array: np.ndarray) -> None:
-    with open(tmp, "wb") as f:  # a file object: np.save would append ".npy" to the temp name
-        np.save(f, array)
+def _own_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    """A cached feature array through the gate (a cache folder may be shared): a 2-D float array
+    only (no pickled objects); one line naming the file otherwise."""
+    try:
+        with open_untrusted(path, "features") as f:
+            array = np.load(f, allow_pickle=False)
+    except (ValueError, EOFError) as e:
+        array = f"unreadable ({' '.join(str(e).split())[:120]})"
+    if not isinstance(array, np.ndarray) or array.ndim != 2 or array.dtype.kind != "f":
+        what = array if isinstance(array, str) else f"shape {getattr(array, 'shape', '?')}"
+        raise UserError(f"{path}: {what}, expected cached features (a 2-D float array); delete it to extract again")
+    return array

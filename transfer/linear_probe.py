@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,7 +112,7 @@ def backbone_changes(model: nn.Module, reference: dict[str, torch.Tensor]) -> li
 def atomic_torch_save(obj, path: Path) -> None:
     from contrastive_transfer.cli import atomic_write
 
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def check_divergence(loss: float, first: float | None, lr: float) -> float:
@@ -303,16 +304,30 @@ def save_state(probe: Probe, epoch: int, history: list[dict], partial: dict | No
 def run(s: ProbeSettings) -> dict:
     """The probe from ``s``, resumed from its state when asked; returns the metrics record."""
     path = s.output_dir / PROBE_STATE
-    if path.exists() and not s.resume:
+    if os.path.lexists(path) and not s.resume:
         raise UserError(f"{path} exists: pass --resume to continue it, or choose another --output-dir")
+    refuse_replacing_metrics(s.output_dir / "metrics.json", path, s.resume)
     probe = setup(s)
-    history, start, partial = resume(probe) if s.resume and path.exists() else ([], 0, None)
+    history, start, partial = resume(probe) if s.resume and os.path.lexists(path) else ([], 0, None)
     with probe.preempt:
         epochs(probe, history, start, partial)
     changed = backbone_changes(probe.model, probe.reference)
     if changed:
         raise RuntimeError(f"the frozen backbone changed during the linear probe: {', '.join(changed[:5])}")
     return record(probe, history)
+
+
+def refuse_replacing_metrics(metrics: Path, state: Path, resuming: bool) -> None:
+    """A probe never replaces a finished probe's ``metrics.json`` that it does not continue: with
+    one in the folder, only ``--resume`` from the folder's own state goes on (it rewrites the same
+    record); starting afresh there is one line, before anything is written."""
+    if not os.path.lexists(metrics) or (resuming and os.path.lexists(state)):
+        return
+    how = f"has no {state.name} to resume" if resuming else "starts afresh (no --resume)"
+    raise UserError(
+        f"{metrics} is a finished probe's output, and this run {how}, so it would replace it; nothing was "
+        "written. Choose another --output-dir, or move the folder's files away to run there again"
+    )
 
 
 def epochs(probe: Probe, history: list[dict], start: int, partial: dict | None) -> None:

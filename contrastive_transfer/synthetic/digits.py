@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from contrastive_transfer.cli import atomic_write, write_bytes, write_text
 from contrastive_transfer.progress import progress
 from contrastive_transfer.synthetic.voc import voc_xml
 
@@ -99,7 +100,8 @@ def render_digit(image: np.ndarray, side: int) -> np.ndarray:
 
 def _save_rgb(gray: np.ndarray, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(gray, mode="L").convert("RGB").save(path, format="JPEG", quality=95)
+    image = Image.fromarray(gray, mode="L").convert("RGB")
+    atomic_write(path, lambda f: image.save(f, format="JPEG", quality=95), durable=False)
 
 
 def placed_digit(image: np.ndarray, rng: np.random.Generator, p: DigitsPreset) -> tuple[np.ndarray, dict]:
@@ -206,20 +208,22 @@ def write_voc_digits(root: Path, year: int, splits: dict, p: DigitsPreset, seed:
             ann, sources = render_canvas(
                 (seed, year, split_id, i), i % 10, deck, images, labels, p, root / "JPEGImages" / f"{image_id}.jpg"
             )
-            (root / "Annotations" / f"{image_id}.xml").write_bytes(
+            write_bytes(
+                root / "Annotations" / f"{image_id}.xml",
                 voc_xml(
                     root.name, image_id, ann, "UCI handwritten digits (sklearn.datasets.load_digits)", DIGIT_CLASSES
-                )
+                ),
+                durable=False,
             )
             anns[image_id] = {**ann, "digits": sources}
         ids_of[split] = ids
         if split == "trainval" and "test" in splits:
             ids_of["train"], ids_of["val"] = ids[0::2], ids[1::2]
     for split, ids in ids_of.items():
-        (main / f"{split}.txt").write_text("".join(f"{i}\n" for i in ids))
+        write_text(main / f"{split}.txt", "".join(f"{i}\n" for i in ids))
         for c, cls in enumerate(DIGIT_CLASSES):
             present = {i: any(o["class"] == c for o in anns[i]["objects"]) for i in ids}
-            (main / f"{cls}_{split}.txt").write_text("".join(f"{i} {1 if present[i] else -1:2d}\n" for i in ids))
+            write_text(main / f"{cls}_{split}.txt", "".join(f"{i} {1 if present[i] else -1:2d}\n" for i in ids))
         summary["splits"][split] = {
             "ids": ids,
             "objects": {i: [[DIGIT_CLASSES[o["class"]], 0] for o in anns[i]["objects"]] for i in ids},

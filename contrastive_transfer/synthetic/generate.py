@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from contrastive_transfer.cli import UserError, atomic_write, write_bytes, write_text
+from contrastive_transfer.json_limits import read_json
 from contrastive_transfer.progress import progress
 from contrastive_transfer.synthetic.shapes import (
     SCENE_LAYOUTS,
@@ -192,7 +194,7 @@ def _rng(key: tuple[int, ...]) -> np.random.Generator:
 
 def _save_jpeg(image, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path, format="JPEG", quality=90)
+    atomic_write(path, lambda f: image.save(f, format="JPEG", quality=90), durable=False)
 
 
 def render_classification(key: tuple[int, ...], cls: int, side: tuple[int, int], path: Path) -> None:
@@ -332,16 +334,16 @@ def write_voc(root: Path, year: int, splits: dict[str, int], preset: Preset, see
             for i, image_id in enumerate(ids)
         ]
         for image_id, ann in zip(ids, _render_all(jobs, f"{root.name}/{split}", workers)):
-            (root / "Annotations" / f"{image_id}.xml").write_bytes(voc_xml(root.name, image_id, ann))
+            write_bytes(root / "Annotations" / f"{image_id}.xml", voc_xml(root.name, image_id, ann), durable=False)
             anns[image_id] = ann
         ids_of[split] = ids
         if split == "trainval" and "test" in splits:
             ids_of["train"], ids_of["val"] = ids[0::2], ids[1::2]
     for split, ids in ids_of.items():
-        (main / f"{split}.txt").write_text("".join(f"{i}\n" for i in ids))
+        write_text(main / f"{split}.txt", "".join(f"{i}\n" for i in ids))
         labels = {i: voc_image_labels(anns[i]["objects"]) for i in ids}
         for cls in VOC_CLASSES:
-            (main / f"{cls}_{split}.txt").write_text("".join(f"{i} {labels[i][cls]:2d}\n" for i in ids))
+            write_text(main / f"{cls}_{split}.txt", "".join(f"{i} {labels[i][cls]:2d}\n" for i in ids))
         summary["splits"][split] = {
             "ids": ids,
             "objects": {i: [[VOC_CLASSES[o["class"]], o["difficult"]] for o in anns[i]["objects"]] for i in ids},
@@ -397,7 +399,7 @@ def write_coco(root: Path, preset: Preset, seed: int, workers: int) -> dict:
             "categories": categories,
         }
         (root / "annotations").mkdir(parents=True, exist_ok=True)
-        (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(dataset))
+        write_text(root / "annotations" / f"instances_{split}.json", json.dumps(dataset))
         per_category: dict[int, int] = {}
         for a in annotations:
             per_category[a["category_id"]] = per_category.get(a["category_id"], 0) + 1
@@ -426,7 +428,7 @@ def write_places205(root: Path, preset: Preset, seed: int, workers: int) -> dict
             for k, (r, c) in enumerate(zip(rel, labels))
         ]
         _render_all(jobs, f"places205/{split}", workers)
-        (lists / f"{split}_places205.csv").write_text("".join(f"{r} {c}\n" for r, c in zip(rel, labels)))
+        write_text(lists / f"{split}_places205.csv", "".join(f"{r} {c}\n" for r, c in zip(rel, labels)))
         summary[split] = {"images": len(rel), "per_class": {n: per_class for n in PLACES_CLASSES}}
     return summary
 
@@ -440,7 +442,9 @@ def _claim(out: Path, config: dict, force: bool) -> dict | None:
     None after removing what this generator wrote before. Folders it did not write (no manifest)
     are refused without ``force``."""
     manifest_path = out / "manifest.json"
-    previous = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    previous = read_json(manifest_path) if os.path.lexists(manifest_path) else None
+    if previous is not None and not isinstance(previous, dict):
+        raise UserError(f"{manifest_path}: a {type(previous).__name__}, expected the generator's manifest (an object)")
     if previous is not None and previous.get("config") == json.loads(json.dumps(config)):
         return previous
     existing = [d for d in OWNED_DIRS if (out / d).exists()]
@@ -456,10 +460,8 @@ def _claim(out: Path, config: dict, force: bool) -> dict | None:
 
 
 def _write_manifest(out: Path, manifest: dict) -> dict:
-    manifest_path = out / "manifest.json"
-    tmp = manifest_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    tmp.replace(manifest_path)  # last: its presence means the datasets are complete
+    # last: its presence means the datasets are complete
+    write_text(out / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
 
@@ -514,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         m = generate(args.out, args.seed, args.preset, args.workers, args.force)
-    except (FileExistsError, ValueError) as e:
+    except (FileExistsError, ValueError, UserError) as e:
         sys.exit(f"error: {e}")
     out = Path(args.out).resolve()
     voc07 = m["VOC2007"]["splits"]

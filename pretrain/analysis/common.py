@@ -23,10 +23,11 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from contrastive_transfer import cli
 from contrastive_transfer.cli import UserError, atomic_write, finite_or_null, write_json
 from contrastive_transfer.contract import METHOD_STATE, training_state
 from contrastive_transfer.progress import progress
-from contrastive_transfer.safe_load import NUMPY_RNG_GLOBALS, UnsafeFileError, torch_load
+from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
 from pretrain.migrate import upgrade_saved
 
 
@@ -38,7 +39,7 @@ class AnalysisError(UserError, ValueError):
 
 
 def write_text(path: Path, text: str) -> Path:
-    atomic_write(path, lambda tmp: tmp.write_text(text))
+    cli.write_text(path, text)
     return path
 
 
@@ -60,10 +61,7 @@ def write_csv(path: Path, columns: Sequence[str], rows: Iterable[dict]) -> Path:
 def save_figure(fig, path: Path, dpi: int = 130) -> Path:
     import matplotlib.pyplot as plt
 
-    def write(tmp: Path) -> None:
-        fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
-
-    atomic_write(path, write)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi, bbox_inches="tight"))
     plt.close(fig)
     return path
 
@@ -85,8 +83,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not os.path.lexists(path):
         raise AnalysisError(f"checkpoint {path} does not exist")
-    try:  # weights_only: checkpoints given to the analyses may come from anywhere
-        state = torch_load(path, NUMPY_RNG_GLOBALS, kind="training state")
+    try:  # the project's one reader of weights (checkpoints given to the analyses may come from anywhere):
+        state = load_weights_file(path)  # training states, and every format the evaluators read
     except UnsafeFileError as e:
         raise AnalysisError(str(e)) from None
     except Exception as e:  # torch raises many kinds for a bad file

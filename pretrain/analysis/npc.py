@@ -64,8 +64,9 @@ def npc_by_batch_size(
     return out
 
 
-def load_embedder(path: Path) -> tuple[torch.nn.Module, dict | None, str]:
-    """(network in eval mode, the run's config if the file has one, what the embedding is)."""
+def load_embedder(path: Path) -> tuple[torch.nn.Module, dict | None, str, int | None]:
+    """(network in eval mode, the run's config if the file has one, what the embedding is, the
+    pretraining image size: a weights file's as every evaluator reads it, ``load_backbone``'s record)."""
     state = common.load_checkpoint(path)
     if common.is_training_checkpoint(state):
         method, cfg = common.rebuild_method(state, path)
@@ -73,6 +74,7 @@ def load_embedder(path: Path) -> tuple[torch.nn.Module, dict | None, str]:
             common.query_encoder(method).eval(),
             OmegaConf.to_container(cfg),
             "projection (query encoder: backbone + head)",
+            int(cfg.data.image_size),
         )
     from converters.checkpoint_io import CheckpointError, build_resnet, load_backbone
 
@@ -81,7 +83,8 @@ def load_embedder(path: Path) -> tuple[torch.nn.Module, dict | None, str]:
     except CheckpointError as e:
         raise AnalysisError(str(e)) from None
     cfg = state.get("config") if isinstance(state.get("config"), dict) else None
-    return build_resnet(backbone), cfg, f"backbone features ({backbone.arch}; the file holds no projection head)"
+    what = f"backbone features ({backbone.arch}; the file holds no projection head)"
+    return build_resnet(backbone), cfg, what, backbone.image_size
 
 
 @torch.no_grad()
@@ -195,11 +198,12 @@ def run(
 ) -> dict:
     checkpoint = Path(checkpoint)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent / "analysis"
-    net, cfg, kind = load_embedder(checkpoint)
+    net, cfg, kind, trained_at = load_embedder(checkpoint)
     setting = partial(setting_or_config, cfg=cfg or {}, checkpoint=checkpoint)
     temperature = float(setting(temperature, "method.temperature", "--temperature"))
     augmentation = setting(augmentation, "data.augmentation", "--augmentation", "simclr")
-    image_size = int(setting(image_size, "data.image_size", "--image-size", 224))
+    # as --crop auto of the evaluators: the size the checkpoint records, else the protocol's 224
+    image_size = int(next((s for s in (image_size, trained_at) if s is not None), 224))
     data = setting(data, "data.root", "--data")
     if temperature <= 0:
         raise AnalysisError(f"--temperature {temperature}: expected a positive number")
@@ -269,7 +273,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--augmentation", help="augmentation preset (default: the run's data.augmentation, else simclr)"
     )
-    parser.add_argument("--image-size", type=int, help="crop size (default: the run's data.image_size, else 224)")
+    parser.add_argument(
+        "--image-size", type=int, help="crop size (default: the pretraining size the checkpoint records, else 224)"
+    )
     parser.add_argument("--max-images", type=int, help="use a seeded random subset of this many images")
     parser.add_argument("--seed", type=int, default=0, help="augmentation and batch partition seed")
     parser.add_argument(

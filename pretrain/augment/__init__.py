@@ -7,7 +7,8 @@
   uint8, then the colour ops batched with per-image draws (torch ops: on the GPU when
   ``data.colour_on_device``, and the reference the CPU kernel is tested against).
 - ``jitter_cpu.py``: the colour jitter fused per image (numba), what the CPU workers run.
-- ``fast.py`` and ``on_device.py``: the other view backends (``data.backend: fast | device``).
+- ``fast.py`` and ``on_device.py``: the view backends besides torchvision's reference
+  (``data.backend`` fast, device and device_batched).
 """
 
 from pretrain.augment.pipeline import ViewTransform

@@ -6,10 +6,13 @@ decoding in 0.29 in favour of TorchCodec; both take the same batched call and gi
 The workers only read each file and its JPEG header (the size), and draw every random parameter
 exactly as the reference does for the same ``(seed, epoch, index)`` (``RandomResizedCrop.make_params``
 on the image size, the flips' ``torch.rand(1)``, the view's uniforms); what crosses the pipe is the
-file's bytes and the draws. On the device, per batch: one batched decode, per image and view the
-reference's antialiased ``resized_crop`` on uint8 and the flips, then ``ViewTransform.finish`` (the
-colour stage and normalisation, batched). On CPU the same code runs (tests): it gives the
-reference's views (libjpeg-turbo decode, the same resize and colour ops).
+file's bytes and the draws. On the device, per batch: one batched decode, then the crops and flips
+(``geometry``), then ``ViewTransform.finish`` (the colour stage and normalisation, batched). The
+geometry is ``exact`` (``data.backend: device``): per image and view the reference's antialiased
+``resized_crop`` on uint8, a few launches each; or ``batched`` (``data.backend: device_batched``):
+every crop of the batch by ``roi_align`` on padded canvases, a few launches per batch, within a
+stated PSNR of the reference (``batched_crops``). On CPU the same code runs (tests): ``exact``
+gives the reference's views (libjpeg-turbo decode, the same resize and colour ops).
 
 Only views whose geometric ops are a crop followed by flips can run this way (what the presets
 declare). Images that are not JPEGs (or CMYK JPEGs) are decoded by the worker with Pillow and sent
@@ -31,7 +34,20 @@ from torchvision.transforms.v2 import functional as TF
 from pretrain.augment.fast import FastView
 from pretrain.augment.pipeline import ViewTransform
 
-__all__ = ["Encoded", "EncodedBatch", "DeviceView", "jpeg_size", "decode_views", "JPEG_DECODER", "jpeg_decoders"]
+__all__ = [
+    "Encoded",
+    "EncodedBatch",
+    "DeviceView",
+    "jpeg_size",
+    "decode_images",
+    "exact_crops",
+    "batched_crops",
+    "padded_canvas",
+    "size_groups",
+    "decode_views",
+    "JPEG_DECODER",
+    "jpeg_decoders",
+]
 
 Decoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
 
@@ -69,7 +85,7 @@ class Encoded(NamedTuple):
     boxes: torch.Tensor  # V×4 int64
     flips: torch.Tensor  # V×2 bool: horizontal, vertical
     uniforms: list[torch.Tensor]
-    backend = "device"  # the data backend that made it (pretrain/data_backends.py)
+    backend: str = "device"  # the data backend that made it (pretrain/data_backends.py)
 
 
 class EncodedBatch(NamedTuple):
@@ -79,7 +95,7 @@ class EncodedBatch(NamedTuple):
     boxes: torch.Tensor  # B×V×4
     flips: torch.Tensor  # B×V×2
     uniforms: list[torch.Tensor]  # per view, B×U
-    backend = "device"  # the data backend that made it (pretrain/data_backends.py)
+    backend: str = "device"  # the data backend that made it (pretrain/data_backends.py)
 
     @staticmethod
     def collate(items: Sequence[Encoded]) -> EncodedBatch:
@@ -88,6 +104,7 @@ class EncodedBatch(NamedTuple):
             torch.stack([e.boxes for e in items]),
             torch.stack([e.flips for e in items]),
             [torch.stack(u) for u in zip(*(e.uniforms for e in items))],
+            items[0].backend,
         )
 
 
@@ -130,11 +147,9 @@ class DeviceView:
         return [box["top"], box["left"], box["height"], box["width"]], flip, u
 
 
-def decode_views(
-    batch: EncodedBatch, transforms: Sequence[ViewTransform], device: torch.device, decoder: str | None = None
-) -> list[torch.Tensor]:
-    """The normalised float32 views of a batch, decoded (``decoder``: a name of ``jpeg_decoders``,
-    default ``JPEG_DECODER``) and augmented on ``device``."""
+def decode_images(batch: EncodedBatch, device: torch.device, decoder: str | None = None) -> list[torch.Tensor]:
+    """The batch's C×H×W uint8 RGB images on ``device``: its JPEGs in one batched decode
+    (``decoder``: a name of ``jpeg_decoders``, default ``JPEG_DECODER``), the rest copied."""
     jpegs = [i for i, d in enumerate(batch.data) if d.dim() == 1]
     images: list[torch.Tensor] = [d.to(device, non_blocking=True) if d.dim() == 3 else d for d in batch.data]
     if jpegs:  # one batched call: nvJPEG decodes the batch together
@@ -147,18 +162,116 @@ def decode_views(
         decoded = decode([batch.data[i] for i in jpegs], device)
         for i, image in zip(jpegs, decoded):
             images[i] = image
+    return images
+
+
+def exact_crops(images: Sequence[torch.Tensor], boxes: list, flips: list, crop_op: v2.RandomResizedCrop, v: int):
+    """View ``v``'s B×C×h×w uint8 crops, one image at a time: the reference's antialiased
+    ``resized_crop``, then the flips (``data.backend: device``)."""
+    crops = []
+    for i, image in enumerate(images):
+        top, left, height, width = boxes[i][v]
+        crop = TF.resized_crop(
+            image, top, left, height, width, list(crop_op.size), interpolation=crop_op.interpolation, antialias=True
+        )
+        hflip, vflip = flips[i][v]
+        dims = [d for d, on in ((-1, hflip), (-2, vflip)) if on]
+        crops.append(crop.flip(dims) if dims else crop)
+    return torch.stack(crops)
+
+
+def size_groups(shapes: Sequence[tuple[int, int]], waste: float = 2.0, limit: int = 2**27) -> list[list[int]]:
+    """The images' indices in groups whose padded canvas (count × the largest height × the largest
+    width, × 3 channels) is at most ``waste`` times the group's own pixels and at most ``limit``
+    values (one image alone may exceed it): a batch of mixed sizes, or one panorama, cannot make
+    the canvas of the whole batch many times its pixels. Sorted by size, so similar sizes group."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    height = width = pixels = 0  # the current group's largest sides and its pixels
+    for i in sorted(range(len(shapes)), key=lambda i: shapes[i]):
+        h, w = shapes[i]
+        padded = (len(group) + 1) * max(height, h) * max(width, w)
+        if group and (padded > waste * (pixels + h * w) or 3 * padded > limit):
+            groups.append(group)
+            group, height, width, pixels = [], 0, 0, 0
+        group.append(i)
+        height, width, pixels = max(height, h), max(width, w), pixels + h * w
+    return groups + [group] if group else groups
+
+
+def padded_canvas(images: Sequence[torch.Tensor]) -> torch.Tensor:
+    """G×C×H×W float32: each C×h×w uint8 image in the top-left corner of a canvas of the largest
+    sides, its last row and column repeated over the padding (what the reference's resize does
+    past an edge: roi_align's bilinear samples reach half a pixel beyond the last pixel centre).
+    One concatenation and one gather whatever the number of images (a copy per image would be a
+    launch per image, the cost this path removes)."""
+    device = images[0].device
+    shapes = torch.tensor([im.shape for im in images])
+    offsets = torch.cat([shapes.new_zeros(1), shapes.prod(1).cumsum(0)[:-1]])
+    # small host tensors, copied without waiting for the device (pageable memory is staged at once)
+    offsets, h, w = (t.to(device, non_blocking=True).reshape(-1, 1, 1, 1) for t in (offsets, *shapes[:, 1:].T))
+    channel = torch.arange(int(shapes[0, 0]), device=device).reshape(1, -1, 1, 1)
+    y = torch.arange(int(shapes[:, 1].max()), device=device).reshape(1, 1, -1, 1)
+    x = torch.arange(int(shapes[:, 2].max()), device=device).reshape(1, 1, 1, -1)
+    # G×C×H×1 plus G×1×1×W: the one full-size index is made by the last addition
+    index = offsets + channel * (h * w) + torch.minimum(y, h - 1) * w + torch.minimum(x, w - 1)
+    flat = torch.cat([im.reshape(-1) for im in images]).to(torch.float32)
+    return flat[index]
+
+
+def batched_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor, sizes: Sequence):
+    """Per view, the B×C×h×w float32 crops (in [0, 1]) of a whole batch in a few launches
+    (``data.backend: device_batched``): the images padded into canvases of similar sizes
+    (``size_groups``, ``padded_canvas``), every view's boxes resized by one ``roi_align`` per canvas
+    and view, then the flips as a batched select. ``roi_align`` averages ceil(box side / output
+    side) bilinear samples per output pixel and axis (its adaptive sampling ratio): a box filter
+    close to the reference's antialiased triangle filter (PSNR in docs/augmentation.md), and
+    bilinear interpolation, the reference's, where the crop is enlarged. ``boxes`` B×V×4
+    (top, left, height, width) and ``flips`` B×V×2 (horizontal, vertical) are on the host."""
+    from torchvision.ops import roi_align
+
+    device = images[0].device
+    out = [torch.empty((len(images), images[0].shape[0], *size), device=device) for size in sizes]
+    for group in size_groups([tuple(im.shape[-2:]) for im in images]):
+        canvas = padded_canvas([images[i] for i in group])
+        rows = torch.tensor(group)
+        for v, size in enumerate(sizes):
+            top, left, height, width = boxes[rows, v].to(torch.float32).unbind(1)
+            rois = torch.stack([torch.arange(len(group)), left, top, left + width, top + height], dim=1)
+            crops = roi_align(canvas, rois.to(device, non_blocking=True), list(size), sampling_ratio=-1, aligned=True)
+            out[v].index_copy_(0, rows.to(device, non_blocking=True), crops)
+    for v, view in enumerate(out):
+        for axis, dim in ((0, -1), (1, -2)):  # horizontal: the width; vertical: the height
+            if flips[:, v, axis].any():
+                flip = flips[:, v, axis].to(device, non_blocking=True).reshape(-1, 1, 1, 1)
+                view = torch.where(flip, view.flip(dim), view)
+        out[v] = view.div_(255)
+    return out
+
+
+def decode_views(
+    batch: EncodedBatch,
+    transforms: Sequence[ViewTransform],
+    device: torch.device,
+    decoder: str | None = None,
+    geometry: str = "exact",
+) -> list[torch.Tensor]:
+    """The normalised float32 views of a batch, decoded (``decoder``: a name of ``jpeg_decoders``,
+    default ``JPEG_DECODER``) and augmented on ``device``. ``geometry``: ``exact``, the reference's
+    crops one image at a time; ``batched``, all crops of the batch in a few launches
+    (``batched_crops``), for the views that resize bilinearly (the others take the exact path)."""
+    if geometry not in ("exact", "batched"):
+        raise ValueError(f"geometry={geometry!r}: expected exact or batched")
+    images = decode_images(batch, device, decoder)
+    crop_ops = [next(op for op in t.geometric if isinstance(op, v2.RandomResizedCrop)) for t in transforms]
+    bilinear = [v for v, op in enumerate(crop_ops) if op.interpolation == v2.InterpolationMode.BILINEAR]
+    crops: dict[int, torch.Tensor] = {}
+    if geometry == "batched" and bilinear:
+        sizes = [crop_ops[v].size for v in bilinear]
+        crops = dict(zip(bilinear, batched_crops(images, batch.boxes[:, bilinear], batch.flips[:, bilinear], sizes)))
     boxes, flips = batch.boxes.tolist(), batch.flips.tolist()
     views = []
     for v, transform in enumerate(transforms):
-        crop_op = next(op for op in transform.geometric if isinstance(op, v2.RandomResizedCrop))
-        crops = []
-        for i, image in enumerate(images):
-            top, left, height, width = boxes[i][v]
-            crop = TF.resized_crop(
-                image, top, left, height, width, list(crop_op.size), interpolation=crop_op.interpolation, antialias=True
-            )
-            hflip, vflip = flips[i][v]
-            dims = [d for d, on in ((-1, hflip), (-2, vflip)) if on]
-            crops.append(crop.flip(dims) if dims else crop)
-        views.append(transform.finish(torch.stack(crops), batch.uniforms[v].to(device, non_blocking=True)))
+        view_crops = crops[v] if v in crops else exact_crops(images, boxes, flips, crop_ops[v], v)
+        views.append(transform.finish(view_crops, batch.uniforms[v].to(device, non_blocking=True)))
     return views

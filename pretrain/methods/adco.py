@@ -31,6 +31,9 @@ takes the key from the last, smallest crop).
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 from omegaconf import OmegaConf
 
@@ -53,6 +56,7 @@ BANK_INITS = ("fill", "random")
 
 
 class AdCo(QueryKeyEncoders, Method):
+    filled: torch.Tensor  # a buffer (register_buffer), typed for mypy
     defaults = {
         "dim": 128,
         "head": "mlp",
@@ -170,16 +174,17 @@ class AdCo(QueryKeyEncoders, Method):
         loss = info_nce(pos, neg, self.temperature)
         return loss, contrastive_stats(pos, neg, self.temperature, 0.0, loss, neg.shape[1])
 
-    def adversarial_loss(self, encoded, offset: int):
-        total, logs = 0.0, None
+    def adversarial_loss(self, encoded, offset: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        weighted: list[torch.Tensor] = []
+        logs: dict[str, torch.Tensor] = {}
         for q, k_all, w in encoded:
             pos, batch_neg = in_batch_similarities(q, k_all, offset)
             neg = torch.cat([batch_neg, self.bank.logits(q)], dim=1)  # B−1 other keys, then K adversaries
             loss = info_nce(pos, neg, self.temperature)
-            total = total + w * loss
-            if logs is None:  # diagnostics of the first pair, as the official logs
+            weighted.append(w * loss)
+            if not logs:  # diagnostics of the first pair, as the official logs
                 logs = contrastive_stats(pos, neg, self.temperature, 0.0, loss, neg.shape[1])
-        return total, logs
+        return functools.reduce(operator.add, weighted), logs
 
     @torch.no_grad()
     def after_step(self, skipped: bool = False) -> None:
@@ -197,8 +202,11 @@ class AdCo(QueryKeyEncoders, Method):
                 for p_q, p_k in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
                     p_k.copy_(p_q)
             return
-        grad = sum(
-            w * adversary_gradient(q, similarities(q, k_all.T), self.bank.weight, self.bank_temperature)
-            for q, k_all, w in pending
+        grad = functools.reduce(
+            operator.add,
+            (
+                w * adversary_gradient(q, similarities(q, k_all.T), self.bank.weight, self.bank_temperature)
+                for q, k_all, w in pending
+            ),
         )
         self.bank.ascend(grad, self.bank_lr, self.bank_momentum, self.bank_weight_decay)

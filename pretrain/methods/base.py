@@ -23,16 +23,17 @@ pointers as buffers), so one ``state_dict`` resumes it. The engine only relies o
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from contrastive_transfer.errors import ConfigError
 from pretrain import dist
-from pretrain.augment import build_view_transforms
+from pretrain.augment import ViewTransform, build_view_transforms
 from pretrain.diagnostics import contrastive_stats
 from pretrain.losses import LOSSES, SAMPLING_MODES, in_batch_similarities, positive_number, sample_negatives
+from pretrain.models import Encoder
 
 
 class Method(nn.Module):
@@ -50,7 +51,7 @@ class Method(nn.Module):
         """Raise ConfigError naming the key and the allowed values for impossible settings."""
 
     @classmethod
-    def view_transforms(cls, cfg) -> list[Callable]:
+    def view_transforms(cls, cfg) -> list[ViewTransform]:
         return build_view_transforms(
             cfg.data.augmentation, cfg.data.image_size, cfg.data.min_crop_scale, cfg.data.views
         )
@@ -79,6 +80,9 @@ class Method(nn.Module):
 class QueryKeyEncoders:
     """For methods with a query encoder ``encoder_q`` and its momentum copy ``encoder_k``: both
     backbones are exported (MoCo, SiMo/SimMoCo, AdCo)."""
+
+    encoder_q: Encoder  # set by the method's __init__
+    encoder_k: Encoder
 
     @property
     def backbone(self) -> nn.Module:

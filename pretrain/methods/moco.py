@@ -32,6 +32,8 @@ from pretrain.models import build_encoder, embed, momentum_copy, momentum_update
 
 
 class MoCo(QueryKeyEncoders, InfoNCEHost):
+    queue: torch.Tensor  # buffers (register_buffer), typed for mypy
+    queue_ptr: torch.Tensor
     defaults = {
         **INFONCE_DEFAULTS,
         "dim": 128,

@@ -25,12 +25,13 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from contrastive_transfer.errors import ConfigError
+from pretrain.augment import ViewTransform
 from pretrain.losses.precision import fp32
 from pretrain.methods.base import Method
 from pretrain.models import build_encoder
@@ -49,7 +50,7 @@ class Supervised(Method):
             raise ConfigError(f"method.label_smoothing={m.label_smoothing!r}: expected a value in [0, 1)")
 
     @classmethod
-    def view_transforms(cls, cfg) -> list[Callable]:
+    def view_transforms(cls, cfg) -> list[ViewTransform]:
         return super().view_transforms(cfg)[:1]  # a one-view preset is declared for both views
 
     def __init__(self, cfg, num_processes: int) -> None:

@@ -156,28 +156,74 @@ def test_a_forked_child_releasing_its_copy_does_not_close_the_childs_own_lock(tm
         parent.release()
 
 
+@pytest.mark.parametrize("plant", ["symlink", "hard link"])
+def test_the_lock_never_writes_through_a_link_planted_at_its_name(plant, tmp_path):
+    """``DIR/.lock`` planted as a link to a file outside the folder (a shared output folder): the
+    lock is one line naming it, and the file stays as it was. Control: opening the name as the
+    lock did before (``os.open(O_RDWR | O_CREAT)``, then truncate) empties the file outside."""
+    victim, out = tmp_path / "victim.txt", tmp_path / "shared"
+    out.mkdir()
+    victim.write_text("precious")
+    (os.symlink if plant == "symlink" else os.link)(victim, out / ".lock")
+    with pytest.raises(UserError) as e:
+        OutputLock(out, "--output-dir").acquire()
+    assert "\n" not in str(e.value) and str(out / ".lock") in str(e.value), e.value
+    assert victim.read_text() == "precious" and not OutputLock._held
+    fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)  # the control: the old open
+    os.ftruncate(fd, 0)
+    os.close(fd)
+    assert victim.read_text() == ""
+
+
+def test_atomic_write_and_open_append_never_follow_a_planted_link(tmp_path, monkeypatch):
+    """A link planted at the target is replaced, not followed; one planted at the temporary name
+    (which holds the pid) is never opened; an append-mode log that is a link is one line. The
+    control: a plain ``write_text`` through the same link writes the file outside."""
+    from contrastive_transfer.cli import open_append
+
+    victim, out = tmp_path / "victim.txt", tmp_path / "out"
+    out.mkdir()
+    victim.write_text("precious")
+    (out / "metrics.json").symlink_to(victim)
+    monkeypatch.setattr("secrets.token_hex", lambda n: "0" * 2 * n)  # the temporary's name, foreseen
+    planted = out / f".metrics.json.tmp{os.getpid()}-00000000"
+    planted.symlink_to(victim)
+    with pytest.raises(UserError, match="every name tried exists"):
+        write_json(out / "metrics.json", {"top1": 1.0})
+    monkeypatch.undo()
+    write_json(out / "metrics.json", {"top1": 1.0})
+    assert not (out / "metrics.json").is_symlink() and json.loads((out / "metrics.json").read_text()) == {"top1": 1.0}
+    (out / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(UserError, match=r"metrics\.jsonl is a symbolic link"):
+        open_append(out / "metrics.jsonl")
+    assert victim.read_text() == "precious"
+    (out / "metrics.jsonl").write_text("control")  # what a plain write does through the link
+    assert victim.read_text() == "control"
+
+
 def test_atomic_write_leaves_no_partial_file_and_stale_temporaries_are_removed(tmp_path):
     target = tmp_path / "checkpoint.pth"
     target.write_text("good")
 
-    def crash(tmp):
-        tmp.write_text("half")
-        raise OSError(28, "No space left on device", str(tmp))
+    def crash(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device", f.name)
 
     with pytest.raises(OSError):
         atomic_write(target, crash)
     assert target.read_text() == "good" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pth"]
 
-    atomic_write(target, lambda tmp: tmp.write_text("new"))
+    atomic_write(target, lambda f: f.write(b"new"))
     assert target.read_text() == "new"
 
     dead = tmp_path / ".checkpoint.pth.tmp999999"
-    ours = tmp_path / f".checkpoint.pth.tmp{os.getpid()}"
+    dead_drawn = tmp_path / ".checkpoint.pth.tmp999998-0a1b2c3d"  # atomic_write's names: pid, then a draw
+    ours = tmp_path / f".checkpoint.pth.tmp{os.getpid()}-0a1b2c3d"
     unrelated = tmp_path / ".notes.tmpx"
-    for f in (dead, ours, unrelated):
+    for f in (dead, dead_drawn, ours, unrelated):
         f.write_text("")
-    assert remove_stale_temporaries(tmp_path) == [dead]
-    assert not dead.exists() and ours.exists() and unrelated.exists()
+    assert sorted(remove_stale_temporaries(tmp_path)) == [dead_drawn, dead]
+    assert not dead.exists() and not dead_drawn.exists() and ours.exists() and unrelated.exists()
 
 
 # Every command that writes into a folder takes both spellings of the option, as one option.

@@ -53,9 +53,10 @@ def test_to_torchvision_writes_safetensors_with_the_record_as_metadata(final, tm
     with safe_open(str(out), framework="pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    assert meta["format"] == "contrastive-transfer/torchvision-safetensors/v1"
+    assert meta["format"] == "contrastive-transfer/weights-metadata/v1"
     assert (meta["arch"], meta["stem"], meta["image_size"]) == ("resnet18", "small", "32")
     reference = torch.load(tmp_path / "r18.pth", weights_only=True)
+    assert reference.pop("metadata") == meta  # the .pth carries the same record beside its tensors
     assert tensors.keys() == reference.keys() and all(torch.equal(tensors[k], reference[k]) for k in reference)
     back = load_backbone(out)  # converters and evaluators read it like any checkpoint
     assert (back.arch, back.stem, back.image_size) == ("resnet18", "small", 32)
@@ -87,10 +88,14 @@ def test_changed_weights_and_absurd_sizes_are_refused(final, tmp_path):
     with pytest.raises(CheckpointError, match="image_size=1000000 recorded, expected an integer from 1 to 4096"):
         load_backbone(tmp_path / "huge.pth")
     sd = _small_stem_resnet18()
-    meta = {"format": "contrastive-transfer/torchvision-safetensors/v1", "image_size": str(10**9)}
-    save_file(sd, str(tmp_path / "huge.safetensors"), metadata=meta)
-    with pytest.raises(CheckpointError, match="image_size='1000000000', expected an integer from 1 to 4096"):
-        load_backbone(tmp_path / "huge.safetensors")
+    for fmt in ("contrastive-transfer/weights-metadata/v1", "contrastive-transfer/torchvision-safetensors/v1"):
+        meta = {"format": fmt, "image_size": str(10**9)}  # today's format, and the .safetensors' older one
+        save_file(sd, str(tmp_path / "huge.safetensors"), metadata=meta)
+        with pytest.raises(CheckpointError, match="image_size='1000000000', expected an integer from 1 to 4096"):
+            load_backbone(tmp_path / "huge.safetensors")
+        torch.save({**sd, "metadata": meta}, tmp_path / "huge_tv.pth")
+        with pytest.raises(CheckpointError, match="image_size='1000000000', expected an integer from 1 to 4096"):
+            load_backbone(tmp_path / "huge_tv.pth")
     (tmp_path / "broken.safetensors").write_bytes(b"\xff" * 20)
     with pytest.raises(CheckpointError, match="not a readable safetensors file") as e:
         load_backbone(tmp_path / "broken.safetensors")

@@ -228,8 +228,10 @@ def test_every_layout_converts_to_the_same_output(name, layout_files):
 def test_pickle_layout(converted):
     with open(converted[18][2], "rb") as f:
         payload = pickle.load(f)
-    assert set(payload) == {"model", "__author__", "matching_heuristics"}
+    assert set(payload) == {"model", "__author__", "matching_heuristics", "metadata"}
     assert payload["matching_heuristics"] is True and payload["__author__"]
+    assert all(isinstance(v, str) for v in payload["metadata"].values())  # the record, as the evaluators read it
+    assert payload["metadata"]["arch"] == "resnet18"
 
 
 # ---- bad input: a one-line error and no file left behind --------------------------------------------------------

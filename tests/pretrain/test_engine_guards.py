@@ -101,6 +101,36 @@ def test_resume_that_does_not_fit_the_run_fails_clearly(accelerator, synthetic_r
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
 
 
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.name != ".lock"}
+
+
+def test_a_finished_run_is_never_replaced_by_a_run_that_does_not_continue_it(accelerator, synthetic_root, tmp_path):
+    """A folder holding a finished run's checkpoint_final.pth: a run that would not continue that
+    run's own state (``train.resume=none``, ``auto`` with no checkpoint_last.pth or
+    checkpoint_prev.pth left, a state from elsewhere) is one line naming the file, and nothing in
+    the folder changes. Before, each started afresh and replaced the final checkpoint. The control:
+    the same command over the folder without its final checkpoint trains and writes one."""
+    from contrastive_transfer.contract import FINAL_NAME, LAST_NAME, PREV_NAME
+
+    root, out = synthetic_root / "imagenet" / "train", tmp_path / "run"
+    train(_cfg("tiny_simclr", root, out, "train.max_steps=1"), accelerator)
+    shutil.copy(out / LAST_NAME, tmp_path / "elsewhere.pth")
+    cases = [("train.resume=none",), (f"train.resume={tmp_path / 'elsewhere.pth'}",), ()]
+    for overrides in cases:
+        if not overrides:  # auto, once the folder's own training states are gone
+            for name in (LAST_NAME, PREV_NAME):
+                (out / name).unlink(missing_ok=True)
+        before = _files(out)
+        with pytest.raises(UserError) as e:
+            train(_cfg("tiny_simclr", root, out, "train.max_steps=2", *overrides), accelerator)
+        line = str(e.value)
+        assert "\n" not in line and f"{out / FINAL_NAME} is a finished run's output" in line, line
+        assert _files(out) == before, overrides
+    (out / FINAL_NAME).rename(tmp_path / "kept.pth")
+    assert train(_cfg("tiny_simclr", root, out, "train.max_steps=2"), accelerator).is_file()
+
+
 BF16_RUN = """
 import json, sys, torch
 import pretrain.losses.infonce as infonce
@@ -179,3 +209,34 @@ def test_knn_monitor_logs_the_weighted_knn_of_the_backbone(accelerator, syntheti
     # The monitor's percentage is an fp32 division (30.000001 for 12 of 40); one image is 100/len(labels) points.
     assert logged[0] == pytest.approx(100.0 * correct / len(labels), abs=1e-4)
     assert torch.allclose(bank.norm(dim=1), torch.ones(len(bank)), atol=1e-5)
+
+
+def test_resume_reads_its_metrics_log_through_the_gate_and_never_adopts_a_link(tmp_path):
+    """``trim_metrics`` (a resume drops the rows past its step) reads metrics.jsonl through the gate
+    and the JSON limits: a link there is refused in one line, not adopted (before, the linked
+    file's rows became the run's log); a row that is not an object with an integer step is one line
+    naming the line (before: AttributeError on a list); the rows past the step are dropped, the
+    others kept byte for byte."""
+    from pretrain.engine import trim_metrics
+
+    log = tmp_path / "metrics.jsonl"
+    rows = [b'{"step": 1, "loss": 2.5}\n', b"\n", b'{"step": 2, "loss": 2.0}\n', b'{"step": 3, "loss": 1.5}\n']
+    log.write_bytes(b"".join(rows))
+    trim_metrics(log, 2)
+    assert log.read_bytes() == rows[0] + rows[2]
+    for bad, what in ((b"[1, 2]\n", "[1, 2]"), (b'{"step": "2"}\n', '"2"'), (b'{"step": 1.5}\n', "1.5")):
+        log.write_bytes(rows[0] + bad)
+        with pytest.raises(UserError) as e:
+            trim_metrics(log, 2)
+        assert str(e.value).startswith(f"{log} line 2: {what}, expected a row of metrics"), str(e.value)
+    log.write_bytes(rows[0] + b"[" * 100_000 + b"\n")
+    with pytest.raises(UserError, match=r"line 2 nests 100000 levels"):
+        trim_metrics(log, 2)
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_bytes(rows[3])
+    log.unlink()
+    log.symlink_to(elsewhere)
+    with pytest.raises(UserError, match=r"metrics\.jsonl is a symbolic link"):
+        trim_metrics(log, 5)
+    assert log.is_symlink() and elsewhere.read_bytes() == rows[3]
+    assert log.read_text() == rows[3].decode()  # the control: a plain read takes the linked file's rows

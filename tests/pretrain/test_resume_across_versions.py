@@ -171,3 +171,29 @@ def test_a_changed_default_is_another_experiment(monkeypatch):
     )
     assert experiment(saved) != _experiment_now()
     assert experiment(saved) == _experiment_now("method.loss.eqco_alpha=null")
+
+
+def test_a_refusal_names_the_changed_name_first_with_both_values():
+    """Another loss (or method) brings other options: the refusal names the name that changed,
+    with both values, not the first option that came or went with it."""
+
+    def refusal(saved_recipe: str, recipe: str, *overrides: str) -> str:
+        saved = OmegaConf.to_container(load_config(RECIPES / f"{saved_recipe}.yaml"))
+        with pytest.raises(ResumeError) as e:
+            _check_same_setup(Path("last.pth"), saved, load_config(RECIPES / f"{recipe}.yaml", list(overrides)))
+        return str(e.value)
+
+    named = "was written with method.loss.name=infonce, this run has method.loss.name=dcl (also differing: "
+    assert named in refusal("tiny_simclr", "tiny_simclr", "method.loss.name=dcl")
+    assert "written with method.loss.name=dclw, this run has method.loss.name=infonce (" in refusal(
+        "tiny_dclw", "tiny_dclw", "method.loss.name=infonce"
+    )
+    assert "written with method.name=simclr, this run has method.name=simo (" in refusal("tiny_simclr", "tiny_simo")
+    # a value that changed comes before a key one side lacks (here: an option the saved run predates)
+    saved = OmegaConf.to_container(load_config(RECIPES / "tiny_simclr.yaml"))
+    del saved["method"]["loss"]["eqco_alpha"]
+    current = load_config(RECIPES / "tiny_simclr.yaml", ["method.loss.eqco_alpha=16", "method.temperature=0.3"])
+    with pytest.raises(ResumeError) as e:
+        _check_same_setup(Path("last.pth"), saved, current)
+    named = "with method.temperature=0.1, this run has method.temperature=0.3 (also differing: method.loss.eqco_alpha)"
+    assert named in str(e.value)

@@ -80,6 +80,7 @@ def test_supervised_checkpoint_converts_bit_exactly(synthetic_root, tmp_path):
 
     to_torchvision.convert(final, tmp_path / "r18.pth")
     converted = torch.load(tmp_path / "r18.pth", weights_only=True)
+    assert converted.pop("metadata")["arch"] == "resnet18"  # the record beside the tensors
     assert converted.keys() == record["backbone"].keys()
     for name, tensor in record["backbone"].items():
         assert torch.equal(converted[name], tensor), name

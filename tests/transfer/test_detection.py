@@ -269,6 +269,57 @@ def test_bad_input_is_one_line_before_training(synthetic_root, converted, tmp_pa
     assert not (out / "model_final.pth").exists() and not (out / "metrics.json").exists()
 
 
+@pytest.mark.parametrize("seeds", ["1", "2"])
+def test_a_finished_run_is_never_replaced_by_a_job_that_does_not_continue_it(
+    seeds, synthetic_root, converted, tmp_path
+):
+    """OUTPUT_DIR (or a seed's folder) holding a finished run's metrics.json or model_final.pth:
+    a job without --resume, or with --resume but no ``last_checkpoint`` to continue (a finished
+    seed's metrics.json excepted: it is skipped), is one line naming the file before anything is
+    started, and the files stay. Before, the job trained afresh and replaced them. The control:
+    the same job into an empty folder passes this check and reaches the weights' check."""
+    tiny = str(CONFIG_DIR / "tiny_voc0712_R_18_FPN_syncbn.yaml")
+    out = tmp_path / "out"
+    folder = out / "seed_0" if seeds == "2" else out
+    folder.mkdir(parents=True)
+    (folder / "model_final.pth").write_bytes(b"a finished run's weights")
+
+    def argv(weights, *flags):
+        return ["--config-file", tiny, "--data-root", str(synthetic_root), "--seeds", seeds, *flags,
+                "MODEL.WEIGHTS", str(weights), "OUTPUT_DIR", str(out), "SEED", "0"]  # fmt: skip
+
+    for flags in ([], ["--resume"]):
+        _fails(argv(converted[18][1], *flags), rf"{re.escape(str(folder / 'model_final.pth'))} is a finished run's")
+        assert (folder / "model_final.pth").read_bytes() == b"a finished run's weights"
+    # what detectron2 continues from (ResNet-50 weights: refused at once by the ResNet-18 model)
+    shutil.copy(converted[50][1], folder / "model_0000001.pkl")
+    (folder / "last_checkpoint").write_text("model_0000001.pkl")
+    _fails(argv(converted[18][1]), "is a finished run's output")
+    _fails(argv(converted[18][1], "--resume"), r"backbone tensors unloaded")  # passed the check: resumed
+    shutil.rmtree(out)
+    _fails(argv(converted[50][1]), r"backbone tensors unloaded")  # the control: an empty folder runs
+
+
+def test_a_seeds_metrics_are_read_through_the_gate_and_checked(tmp_path):
+    """``--resume`` reads a finished seed's metrics.json back (a shared folder may hold anything):
+    through the gate and the JSON limits, then its shape, one line naming the file for a list, a
+    string metric or deep nesting (before: a TypeError inside the aggregate)."""
+    from contrastive_transfer.cli import UserError
+    from transfer.detection.run import read_seed_metrics
+
+    path = tmp_path / "metrics.json"
+    good = {"seed": 1, "results": {"voc_2007_test": {"bbox": {"AP50": 50.5, "AP": None}}}}
+    path.write_text(json.dumps(good))
+    assert read_seed_metrics(path) == good
+    for bad in ([good], {"results": {"voc_2007_test": {"bbox": {"AP50": "50.5"}}}}, {"results": []}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(UserError, match=r"metrics\.json: expected a seed's metrics"):
+            read_seed_metrics(path)
+    path.write_text("[" * 100_000)
+    with pytest.raises(UserError, match="nests 100000 levels"):
+        read_seed_metrics(path)
+
+
 def test_checkpointer_refuses_a_file_that_leaves_the_backbone_unloaded(converted, tmp_path):
     cfg, _ = build_config(str(CONFIG_DIR / "tiny_voc0712_R_18_FPN_syncbn.yaml"), [])
     model = build_model(cfg)

@@ -19,7 +19,7 @@ from converters.checkpoint_io import load_backbone
 from transfer.features import LayerFeatures, Preprocessing, pool
 from transfer.knn import topk_accuracy
 from transfer.layers import pooling_for
-from transfer.probe_presets import PRESETS
+from transfer.probe_presets import PRESETS, PROBE_STATE
 
 
 def small_stem_resnet18(seed: int = 0) -> nn.Module:
@@ -152,6 +152,46 @@ def test_feature_cache_extracts_once(synthetic_root, random_checkpoint, tmp_path
         np.testing.assert_allclose(first["res5avg"][:3], model(x).numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_feature_cache_never_reads_or_writes_through_a_link(synthetic_root, random_checkpoint, tmp_path):
+    """A cache folder is named by a hash of the inputs, so a link can be planted in its place in a
+    shared folder: the cache refuses it in one line (before, it read the features found there and
+    wrote its own files into the folder linked). A cached file that is a link is extracted again and
+    replaced; one that is not a 2-D float array is one line. The writer holds the same rule
+    (``atomic_write(within=)``); the control: without it, the write lands outside."""
+    from contrastive_transfer.cli import UserError, atomic_write
+    from transfer.datasets.readers import read_image_folder
+
+    model, _ = features.load_model(random_checkpoint)
+    prep = Preprocessing(36, 32, "center")
+    data = read_image_folder(synthetic_root / "imagenet" / "val")
+    data.transform = prep.transform()
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    cache = features.FeatureCache(root, random_checkpoint, "query", prep)
+    outside.mkdir()
+    root.mkdir()
+    cache._dir(data).symlink_to(outside)
+    extractor = lambda names: LayerFeatures(model, names)  # noqa: E731
+    with pytest.raises(UserError, match="is a symbolic link, expected a folder of this feature cache"):
+        cache.get(extractor, data, "val", ["res5avg"])
+    assert list(outside.iterdir()) == []
+    target = cache.path(data, "val", "res5avg")
+    with pytest.raises(UserError, match="outside"):
+        atomic_write(target, lambda f: f.write(b"x"), within=root)
+    assert list(outside.iterdir()) == []
+    atomic_write(target, lambda f: f.write(b"x"))  # the control: a write without the rule lands outside
+    assert [p.name for p in outside.iterdir()] == [target.name]
+    cache._dir(data).unlink()
+    cache._dir(data).mkdir()
+    (outside / "planted.npy").write_bytes(b"outside")
+    target.symlink_to(outside / "planted.npy")
+    got = cache.get(extractor, data, "val", ["res5avg"])["res5avg"]
+    assert got.shape == (len(data), 512) and not target.is_symlink()
+    assert (outside / "planted.npy").read_bytes() == b"outside"
+    target.write_bytes(b"\x93NUMPY garbage")
+    with pytest.raises(UserError, match=r"res5avg_features\.npy: unreadable .*expected cached features"):
+        cache.get(extractor, data, "val", ["res5avg"])
+
+
 # -------------------------------------------------------------------------------------------- kNN
 
 
@@ -242,6 +282,31 @@ def test_linear_probe_resume_repeats_the_run(synthetic_root, random_checkpoint, 
     resumed = json.loads((tmp_path / "cut" / "metrics.json").read_text())["history"]
     strip = lambda h: [{k: v for k, v in e.items() if k != "seconds"} for e in h]  # noqa: E731
     assert strip(resumed) == strip(full)
+
+
+def test_a_finished_probe_is_never_replaced_by_a_probe_that_does_not_continue_it(
+    synthetic_root, random_checkpoint, tmp_path
+):
+    """A folder holding a finished probe's metrics.json and no probe state (moved away, or never
+    copied along): before, ``--resume`` found nothing to resume and trained afresh over it, and so
+    did a run without ``--resume``. Now both are one line naming the file, and the folder is
+    untouched; the control: with its state, ``--resume`` continues and writes the same record."""
+    out = tmp_path / "done"
+    linear.main(probe_args(random_checkpoint, synthetic_root, out))
+    record = json.loads((out / "metrics.json").read_text())
+    (out / PROBE_STATE).rename(tmp_path / PROBE_STATE)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"}
+    for extra in (["--resume"], []):
+        with pytest.raises(SystemExit) as e:
+            linear.main(probe_args(random_checkpoint, synthetic_root, out, *extra))
+        line = str(e.value)
+        assert "\n" not in line and f"{out / 'metrics.json'} is a finished probe's output" in line, line
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == before
+    (tmp_path / PROBE_STATE).rename(out / PROBE_STATE)
+    linear.main(probe_args(random_checkpoint, synthetic_root, out, "--resume"))
+    again = json.loads((out / "metrics.json").read_text())
+    strip = lambda h: [{k: v for k, v in e.items() if k != "seconds"} for e in h]  # noqa: E731
+    assert strip(again["history"]) == strip(record["history"])
 
 
 def test_presets_follow_the_papers():

@@ -247,3 +247,16 @@ def test_class_is_in_the_pixels_a_trained_network_learns_it_a_random_one_does_no
     )
     assert random_init < 40, "the class must not be readable by an untrained network"
     assert trained >= max(45.0, random_init + 20.0)
+
+
+def test_a_manifest_that_is_not_the_generators_is_one_line(tmp_path):
+    """The generator reads its earlier manifest.json back through the gate and the JSON limits: a
+    list there (before: AttributeError) or deep nesting is one line naming it; the folder is kept."""
+    from contrastive_transfer.cli import UserError
+
+    for text in ("[1, 2]", "[" * 100_000):
+        (tmp_path / "manifest.json").write_text(text)
+        with pytest.raises((UserError, ValueError)) as e:
+            generate(tmp_path, seed=0, preset="tiny")
+        assert "manifest.json" in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert (tmp_path / "manifest.json").read_text() == text

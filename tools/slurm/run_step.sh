@@ -15,11 +15,16 @@ set -uo pipefail
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-150}
 
 run_step() {
-  local signalled=0 rc step
-  # shellcheck disable=SC2064
-  trap 'signalled=1; kill -TERM "$step" 2>/dev/null' USR1 TERM
+  # step is set empty, not left unset: a signal that comes before `step=$!` must not stop the
+  # script on an unbound variable (set -u) before it requeues. Such a signal is remembered and
+  # forwarded once the step exists.
+  local signalled=0 rc step=""
+  trap 'signalled=1; [ -z "$step" ] || kill -TERM "$step" 2>/dev/null' USR1 TERM
   srun --ntasks-per-node 1 --kill-on-bad-exit=1 "$@" &
   step=$!
+  if [ "$signalled" = 1 ]; then
+    kill -TERM "$step" 2>/dev/null
+  fi
   wait "$step"; rc=$?
   while kill -0 "$step" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the step itself
     wait "$step"; rc=$?

@@ -9,7 +9,6 @@ With ``--resume``, seeds whose ``metrics.json`` exists are not run again.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -25,6 +24,7 @@ from torch.multiprocessing.spawn import ProcessExitedException
 
 from contrastive_transfer.cli import OutputLock, UserError, write_json
 from contrastive_transfer.errors import ConfigError
+from contrastive_transfer.json_limits import read_json
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
 from contrastive_transfer.ranks import decided_by_rank0
 from transfer.detection.config import build_config, fit_num_classes, read_weights
@@ -131,6 +131,28 @@ def check_inputs(cfg: CfgNode, args) -> None:
         raise ConfigError(f"--num-gpus {args.num_gpus}: only {torch.cuda.device_count()} CUDA devices visible")
 
 
+def read_seed_metrics(path: Path) -> dict:
+    """A seed's metrics.json, through the gate and the JSON limits (a finished seed's file is read
+    back by ``--resume``, and a shared folder may hold anything): an object whose ``results`` map
+    each dataset to tasks to metrics that are numbers or null; one line naming the file otherwise."""
+    data = read_json(path)
+    results = data.get("results") if isinstance(data, dict) else None
+    ok = isinstance(results, dict) and all(
+        isinstance(tasks, dict)
+        and all(
+            isinstance(m, dict) and all(v is None or (type(v) in (int, float)) for v in m.values())
+            for m in tasks.values()
+        )
+        for tasks in results.values()
+    )
+    if not ok:
+        raise UserError(
+            f"{path}: expected a seed's metrics (an object with results: dataset -> task -> metric -> number); "
+            "remove the seed's folder to run it again"
+        )
+    return data
+
+
 def aggregate(runs: dict[int, dict]) -> dict:
     """mean and sample std (n - 1; null for one run) of every metric present in all runs."""
     first = next(iter(runs.values()))["results"]
@@ -175,7 +197,51 @@ def run(args) -> dict:
     notes = notes + sized
     check_inputs(cfg, args)
     with OutputLock(cfg.OUTPUT_DIR, "OUTPUT_DIR"):
+        refuse_replacing_finished(Path(cfg.OUTPUT_DIR), seed_list(cfg.SEED, args.seeds), args.resume)
         return _run_seeds(cfg, notes, args)
+
+
+FINISHED = ("metrics.json", "model_final.pth")  # what a finished seed leaves in its folder
+
+
+def refuse_links(folder: Path) -> None:
+    """detectron2 writes its files (checkpoints, ``last_checkpoint``, logs, events) with its own
+    ``open``, which follows links: so a job does not start while a symbolic link sits in its
+    output folder (one planted in a shared folder would send a write outside it)."""
+    if not folder.is_dir():
+        return
+    for entry in os.scandir(folder):
+        if entry.is_symlink():
+            raise UserError(
+                f"{entry.path} is a symbolic link: detectron2 writes into OUTPUT_DIR by following links, so the job "
+                "does not start; remove it"
+            )
+
+
+def refuse_replacing_finished(out: Path, seeds: list[int], resume: bool) -> None:
+    """A job never replaces a finished run's output (``metrics.json``, ``model_final.pth``) that
+    it does not continue: without ``--resume`` any of them in OUTPUT_DIR (or a seed's folder) is
+    one line, before anything is written; with it, a seed's folder must hold detectron2's record
+    of its last checkpoint (``last_checkpoint``, what the resume continues from) or its
+    ``metrics.json`` (a finished seed, skipped), else the seed would start afresh over it."""
+    folders = [out] + ([out / f"seed_{seed}" for seed in seeds] if len(seeds) > 1 else [])
+    for folder in folders:
+        refuse_links(folder)
+        found = [folder / name for name in FINISHED if os.path.lexists(folder / name)]
+        if not found:
+            continue
+        if not resume:
+            why = "this job starts afresh (no --resume)"
+        elif folder == out and len(seeds) > 1:
+            continue  # the seeds' aggregate: recomputed from the seeds, which are checked below
+        elif os.path.lexists(folder / "last_checkpoint") or (len(seeds) > 1 and found[0].name == "metrics.json"):
+            continue
+        else:
+            why = "this job has no last_checkpoint there to resume from"
+        raise UserError(
+            f"{found[0]} is a finished run's output, and {why}, so it would replace it; nothing was written. "
+            "Choose another OUTPUT_DIR, or move the folder's files away to run there again"
+        )
 
 
 def _run_seeds(cfg: CfgNode, notes: list[str], args) -> dict:
@@ -204,7 +270,7 @@ def _run_seeds(cfg: CfgNode, notes: list[str], args) -> dict:
                 raise SystemExit(PREEMPTED_EXIT_CODE) from None
             raise
         if args.machine_rank == 0:  # global rank 0 lives on machine 0 and wrote the file
-            runs[seed] = json.loads(metrics_path.read_text())
+            runs[seed] = read_seed_metrics(metrics_path)
     if args.machine_rank != 0:
         return {}
     empty = sorted(

@@ -111,11 +111,7 @@ class PreemptHook(HookBase):
         trainer = self.trainer
         if trainer.iter + 1 >= trainer.max_iter:
             return  # the last iteration: the run finishes, with its final checkpoint and evaluation
-        device = next(trainer.model.parameters()).device  # NCCL reduces CUDA tensors only
-        flag = torch.tensor([int(self.signals.received is not None)], device=device)
-        if comm.get_world_size() > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if not flag.item():
+        if not self.agreed_to_stop():
             return
         trainer.checkpointer.save(f"model_{trainer.iter:07d}", iteration=trainer.iter)  # the main process writes
         comm.synchronize()
@@ -126,6 +122,18 @@ class PreemptHook(HookBase):
             "with --resume continues from there"
         )
         raise Preempted(name)
+
+    def agreed_to_stop(self) -> bool:
+        """Whether any process got a signal. One process knows without asking the device; several
+        reduce their flags (a read of the device each iteration, which detectron2's metrics make
+        anyway)."""
+        received = self.signals.received is not None
+        if comm.get_world_size() == 1:
+            return received
+        device = next(self.trainer.model.parameters()).device  # NCCL reduces CUDA tensors only
+        flag = torch.tensor([int(received)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 class ImageCheckingMapper(DatasetMapper):
