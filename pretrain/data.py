@@ -32,9 +32,10 @@ from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 from contrastive_transfer.file_index import FileIndex
 from contrastive_transfer.images import DECODE_ERRORS
 from contrastive_transfer.paths import printable, scan_image_folder
+from contrastive_transfer.seeding import stable_seed
 from contrastive_transfer.shards import index_shards, is_sharded
 from pretrain import dist
-from pretrain.data_backends import DEFAULT_BACKEND, backend_named, backend_of, stable_seed
+from pretrain.data_backends import DEFAULT_BACKEND, backend_named, backend_of
 
 __all__ = [
     "eval_transform",

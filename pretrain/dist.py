@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from contrastive_transfer.ranks import decided_by_rank0  # shared with detection: the one in the base package
+# Shared with detection and the evaluators: the one copy is in the base package.
+from contrastive_transfer.ranks import all_reduce_with_grad, decided_by_rank0, rank, world_size
 
 __all__ = [
     "world_size",
@@ -29,20 +30,6 @@ __all__ = [
     "all_ranks_equal",
     "decided_by_rank0",
 ]
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def world_size() -> int:
-    """Number of processes in the default group; 1 when not initialized."""
-    return dist.get_world_size() if _initialized() else 1
-
-
-def rank() -> int:
-    """Global rank of this process; 0 when not initialized."""
-    return dist.get_rank() if _initialized() else 0
 
 
 def rank_offset(n_local: int) -> int:
@@ -111,29 +98,6 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return x
     return _GatherWithGrad.apply(x)
-
-
-class _AllReduceWithGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        return grad
-
-
-def all_reduce_with_grad(x: torch.Tensor) -> torch.Tensor:
-    """Differentiable sum over ranks: every rank's output depends on every rank's x, so the
-    backward sums the incoming gradients too (same reasoning as :func:`gather_with_grad`).
-    Used for synchronized BN statistics. Identity in one process."""
-    if world_size() == 1:
-        return x
-    return _AllReduceWithGrad.apply(x)
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ from contrastive_transfer.contract import FINAL_NAME, LAST_NAME
 from contrastive_transfer.paths import printable
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted, PreemptSignals, ignore_in_worker
 from contrastive_transfer.progress import Laps, progress
+from contrastive_transfer.sync_bn import convert_sync_batchnorm
 from contrastive_transfer.untrusted import read_untrusted
 from pretrain import dist
 from pretrain.checkpoint import (
@@ -64,7 +65,7 @@ from pretrain.data import (
 from pretrain.diagnostics import grad_norm_stats
 from pretrain.knn import knn_accuracy
 from pretrain.methods import METHODS
-from pretrain.models import Encoder, convert_sync_batchnorm
+from pretrain.models import Encoder
 from pretrain.optim import build_optimizer, lr_at
 from pretrain.resolved import automatic, config_text
 from pretrain.step_guard import StepGuard

@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_vote
+from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_bank, knn_vote
 from contrastive_transfer.paths import scan_image_folder
-from pretrain import dist
+from contrastive_transfer.ranks import gather_in_order, shard_indices
 from pretrain.data import eval_transform
 
 
@@ -42,12 +42,11 @@ def extract_features(
 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """(N, D) L2-normalized features, (N,) labels and class names of an ImageFolder, on ``device``.
 
-    With several processes each extracts every W-th image (rank r: images r, r+W, ...) and the
+    With several processes each extracts every W-th batch (rank r: batches r, r+W, ...) and the
     shards are gathered back into the folder's order, so every process holds all N features in
-    1/W of the time a single process would take."""
+    1/W of the time a single process would take, each image computed with the same batch mates."""
     dataset = _ImageFolder(root, transform=eval_transform(image_size))
-    world, rank = dist.world_size(), dist.rank()
-    shard = Subset(dataset, range(rank, len(dataset), world))
+    shard = Subset(dataset, shard_indices(len(dataset), batch_size))
     was_training = backbone.training
     backbone.eval()
     feats, labels = [], []
@@ -65,19 +64,10 @@ def extract_features(
         labels.append(y.to(device))
     backbone.train(was_training)
     dim = feats[0].shape[1] if feats else backbone(torch.zeros(1, 3, image_size, image_size, device=device)).shape[1]
-    local = (
-        torch.cat(feats) if feats else torch.zeros(0, dim, device=device),
-        torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=device),
-    )
-    if world == 1:
-        return local[0], local[1], dataset.classes
-    # Shards differ in length by at most one: pad to the longest, gather, interleave back.
-    longest = -(-len(dataset) // world)
-    padded = [torch.cat([t, t.new_zeros((longest - len(t), *t.shape[1:]))]) for t in local]
-    gathered = [dist.gather_no_grad(t).view(world, longest, *t.shape[1:]).transpose(0, 1).flatten(0, 1) for t in padded]
-    order = torch.arange(longest * world, device=device).view(longest, world)
-    keep = (order < len(dataset)).flatten()  # drop the padding rows
-    return gathered[0][keep], gathered[1][keep], dataset.classes
+    local_feats = torch.cat(feats) if feats else torch.zeros(0, dim, device=device)
+    local_labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=device)
+    n = len(dataset)
+    return gather_in_order(local_feats, n, batch_size), gather_in_order(local_labels, n, batch_size), dataset.classes
 
 
 def knn_accuracy(
@@ -99,5 +89,5 @@ def knn_accuracy(
     query, labels, val_classes = extract_features(backbone, val_dir, image_size, device, **options)
     if classes != val_classes:
         raise ValueError(f"kNN: class folders differ between {train_dir} and {val_dir}")
-    pred = knn_vote(query, bank, bank_labels, len(classes), k, t).argmax(dim=1)
+    pred = knn_vote(query, knn_bank(bank), bank_labels, len(classes), k, t).argmax(dim=1)  # float16 on CUDA
     return 100.0 * (pred == labels).float().mean().item()

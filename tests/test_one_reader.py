@@ -530,6 +530,8 @@ READ_ALLOWED = {
     ("benchmarks/svm.py", "Path(f'/proc/{pid}/task/{task}/children').read_text"): "the kernel's /proc entries of "
     "this process's own children (their CPU time), no file from elsewhere",
     ("benchmarks/svm.py", "Path(f'/proc/{child}/stat').read_text"): "the same /proc entries",
+    ("benchmarks/knn_scale.py", "Path('/proc/self/status').read_text"): "the kernel's /proc entry of this "
+    "process's own memory, no file from elsewhere",
 }
 
 

@@ -201,10 +201,10 @@ def test_run_step_without_a_signal_neither_requeues_nor_hides_the_exit_code(tmp_
 
 
 def test_sbatch_scripts_are_valid_bash_with_signal_and_requeue():
-    for name in ("pretrain.sbatch", "detection.sbatch", "run_step.sh"):
+    for name in ("pretrain.sbatch", "detection.sbatch", "probe.sbatch", "run_step.sh"):
         path = REPO / "tools" / "slurm" / name
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, f"{name}: bash syntax error"
-    for name in ("pretrain.sbatch", "detection.sbatch"):
+    for name in ("pretrain.sbatch", "detection.sbatch", "probe.sbatch"):
         text = (REPO / "tools" / "slurm" / name).read_text()
         assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text
         assert "contrastive_transfer.slurm" in text

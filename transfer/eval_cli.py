@@ -38,6 +38,26 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
+@contextlib.contextmanager
+def launched_processes():
+    """The evaluator's process group while the block runs, when a launcher started several
+    processes (``torchrun --nproc_per_node N -m transfer.knn ...``, ``accelerate launch``,
+    ``srun``): NCCL on GPUs, gloo on CPUs, left again at the end. Ranks other than 0 log warnings
+    only, so that the log reads as one run's. Nothing happens in one process."""
+    import torch.distributed as dist
+
+    from contrastive_transfer.ranks import init_from_launcher, is_main
+
+    created = init_from_launcher()
+    if not is_main():
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(
         prog=prog, description=doc.split("\n\n")[0], epilog=DEBUG_HELP, formatter_class=HelpFormatter

@@ -28,13 +28,14 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from torchvision import transforms
 from torchvision.models.feature_extraction import create_feature_extractor
 
 from contrastive_transfer.cli import UserError, atomic_write
 from contrastive_transfer.contract import IMAGENET_MEAN, IMAGENET_STD
 from contrastive_transfer.progress import progress
+from contrastive_transfer.ranks import decided_by_rank0, gather_in_order, is_main, local_device, shard_indices
 from contrastive_transfer.untrusted import open_untrusted
 from converters.checkpoint_io import Backbone, build_resnet, load_backbone
 from transfer.layers import LAYERS, pooling_for
@@ -141,7 +142,8 @@ def like(model: nn.Module) -> dict:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """This process's GPU (its LOCAL_RANK under a launcher) when there is one, else the CPU."""
+    return local_device()
 
 
 @torch.no_grad()
@@ -153,17 +155,30 @@ def extract(
     device: torch.device | None = None,
     desc: str = "features",
 ) -> dict[str, np.ndarray]:
-    """{layer: (N, dim) float32} for every image of `dataset` (items (image, label)), in order."""
+    """{layer: (N, dim) float32} for every image of `dataset` (items (image, label)), in order.
+
+    Under a launcher (``torch.distributed`` initialized) each process extracts every W-th batch of
+    the one-process run (``contrastive_transfer.ranks.shard_indices``) and every process receives
+    all N rows back in the dataset's order: the same bits as one process with the same kernels and
+    threads, since every image meets the same batch mates (batch-size-dependent convolution
+    kernels would otherwise change the last bits)."""
     device = device or default_device()
     extractor = extractor.to(device).eval()
+    shard = Subset(dataset, shard_indices(len(dataset), batch_size))
     loader = DataLoader(
-        dataset, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=device.type == "cuda"
+        shard, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=device.type == "cuda"
     )
     chunks: dict[str, list[np.ndarray]] = {name: [] for name in extractor.layers}
     for images, _ in progress(loader, len(loader), desc):
         for name, feats in extractor(images.to(non_blocking=True, **like(extractor))).items():
             chunks[name].append(feats.float().cpu().numpy())
-    return {name: np.concatenate(c) for name, c in chunks.items()}
+    if not len(shard) and len(dataset):  # more processes than images: zero rows of the layers' widths
+        for name, feats in extractor(dataset[0][0].unsqueeze(0).to(**like(extractor))).items():
+            chunks[name].append(feats[:0].float().cpu().numpy())
+    out = {}
+    for name, c in chunks.items():
+        out[name] = gather_in_order(torch.from_numpy(np.concatenate(c)), len(dataset), batch_size).numpy()
+    return out
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -198,25 +213,34 @@ class FeatureCache:
     def path(self, dataset, split: str, layer: str) -> Path:
         return self._dir(dataset) / f"{split}_{layer}_features.npy"
 
-    def get(self, extractor_for, dataset, split: str, layers: list[str], **extract_kwargs) -> dict[str, np.ndarray]:
+    def get(
+        self, extractor_for, dataset, split: str, layers: list[str], **extract_kwargs
+    ) -> dict[str, np.ndarray] | None:
         """Cached features of `layers`; the missing ones are extracted in one pass with
-        `extractor_for(missing_layers)` and written atomically."""
+        `extractor_for(missing_layers)` and written atomically.
+
+        Under a launcher every process extracts its shard and rank 0, alone, writes the cache and
+        gets the features; the others get None (the evaluators' work after the features, the vote
+        or the SVMs, runs on rank 0). Rank 0's disk decides what is missing, so that every process
+        takes part in the same extractions even when machines do not share a file system."""
         folder = self._dir(dataset)
-        if folder.is_symlink():  # neither read nor written through: it would be another folder's features
+        if decided_by_rank0(folder.is_symlink()):  # neither read nor written through: another folder's features
             raise UserError(f"{folder} is a symbolic link, expected a folder of this feature cache; remove it")
         # a link is never adopted as a cached file (a cache may sit in a shared folder): extracted again and
         # replaced by this run's own file
-        missing = [name for name in layers if not _own_file(self.path(dataset, split, name))]
+        missing = decided_by_rank0([name for name in layers if not _own_file(self.path(dataset, split, name))])
+        feats = extract(extractor_for(missing), dataset, desc=f"{split} features", **extract_kwargs) if missing else {}
+        if not is_main():
+            return None
         if missing:
-            feats = extract(extractor_for(missing), dataset, desc=f"{split} features", **extract_kwargs)
             for name in missing:
                 # within the cache's root: a link planted in place of a key folder sends nothing elsewhere
                 atomic_write(self.path(dataset, split, name), lambda f, a=feats[name]: np.save(f, a), within=self.root)
             meta = json.dumps(self.identity, indent=1).encode()
             atomic_write(self._dir(dataset) / "cache.json", lambda f: f.write(meta), within=self.root)
-        else:
+        if len(missing) < len(layers):
             logger.info("features of %s (%s) read from the cache %s", split, ", ".join(layers), self._dir(dataset))
-        return {name: _read_npy(self.path(dataset, split, name)) for name in layers}
+        return {name: feats[name] if name in feats else _read_npy(self.path(dataset, split, name)) for name in layers}
 
 
 def _own_file(path: Path) -> bool:

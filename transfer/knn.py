@@ -9,9 +9,11 @@ crop. Each validation image takes its k most cosine-similar training images; nei
 its class with weight exp(s_j / t); the prediction is the class with the largest summed vote
 (top-5: the five largest).
 
-``pretrain/knn.py`` holds the same ten-line vote for the monitor during pretraining; it is
-re-stated here rather than imported because transfer depends on converters only (the contract
-with pretrain is the checkpoint file).
+The vote is ``contrastive_transfer.contract.knn_vote``, the one the pretraining monitor
+(``pretrain/knn.py``) uses too: the bank in float16 on a GPU, float32 on a CPU (``knn_bank``), the
+queries in chunks sized so that the similarities held at once stay under a fixed count whatever
+the number of queries (``benchmarks/knn_scale.py`` measures it at ImageNet's 1.28 M images).
+Under a launcher the features are extracted by every process and rank 0 votes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from contrastive_transfer.cli import UserError, command, ensure_writable_dir
-from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_vote
+from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_bank, knn_vote
 from transfer import eval_cli
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that --help does not wait for it
@@ -47,13 +49,17 @@ def knn_evaluate(
     k: int = KNN_K,
     t: float = KNN_TEMPERATURE,
 ) -> dict[str, float]:
+    """Top-1/top-5 of the weighted kNN vote, on the GPU when there is one. A float32 ``train_feats``
+    is L2-normalised in place on a CPU: an ImageNet bank (10.5 GB) is not copied."""
     import torch
-    import torch.nn.functional as F
 
-    bank = F.normalize(torch.as_tensor(train_feats, dtype=torch.float32), dim=1)
-    query = F.normalize(torch.as_tensor(val_feats, dtype=torch.float32), dim=1)
-    scores = knn_vote(query, bank, torch.as_tensor(train_labels), num_classes, k, t)
-    return topk_accuracy(scores, torch.as_tensor(val_labels))
+    from transfer.features import default_device
+
+    device = default_device()
+    bank = knn_bank(torch.as_tensor(train_feats), device)
+    query = knn_bank(torch.as_tensor(val_feats), device)
+    scores = knn_vote(query, bank, torch.as_tensor(train_labels, device=device), num_classes, k, t)
+    return topk_accuracy(scores.cpu(), torch.as_tensor(val_labels))
 
 
 def parser():
@@ -77,26 +83,11 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"--k {args.k} / --t {args.t}: expected k >= 1 and t > 0")
 
     from contrastive_transfer.cli import write_json
-    from converters.checkpoint_io import summary_lines
-    from transfer.datasets.readers import read_image_folder
-    from transfer.features import FeatureCache, LayerFeatures, Preprocessing, load_model
 
-    model, backbone = load_model(args.weights, args.encoder, args.layout)
-    resize, crop = eval_cli.resolve_size(args.resize, args.crop, backbone.image_size)
-    prep = Preprocessing(resize, crop, "center")
-    train, val = read_image_folder(args.train_dir), read_image_folder(args.val_dir)
-    if train.classes != val.classes:
-        raise UserError(f"class folders of {args.train_dir} and {args.val_dir} differ; use the same classes in both")
-    # The inputs are valid; before the long work, prove the output can be written.
-    out = ensure_writable_dir(args.output_dir, "--output-dir")
-    for line in summary_lines(backbone):
-        logger.info(line)
-    train.transform = val.transform = prep.transform()
-    cache = FeatureCache(out / "features", args.weights, args.encoder, prep)
-    make = lambda names: LayerFeatures(model, names)  # noqa: E731
-    kwargs = dict(batch_size=args.batch_size, workers=args.workers)
-    bank = cache.get(make, train, "train", ["res5avg"], **kwargs)["res5avg"]
-    query = cache.get(make, val, "val", ["res5avg"], **kwargs)["res5avg"]
+    with eval_cli.launched_processes():
+        bank, query, out, train, val, prep, backbone = _features(args)
+        if bank is None:  # ranks other than 0 under a launcher: their shards are extracted
+            return
     acc = knn_evaluate(bank, train.labels, query, val.labels, len(train.classes), args.k, args.t)
     metrics = {
         "protocol": "knn",
@@ -114,6 +105,36 @@ def main(argv: list[str] | None = None) -> None:
         "kNN (k=%d, t=%g, %d-d): top-1 %.2f, top-5 %.2f", args.k, args.t, bank.shape[1], acc["top1"], acc["top5"]
     )
     print(json.dumps(acc))
+
+
+def _features(args):
+    """(bank, queries, output dir, both datasets, preprocessing, backbone record): the features of
+    both folders, extracted by every process under a launcher; on ranks other than 0 the features
+    are None (rank 0 votes and writes)."""
+    from contrastive_transfer.ranks import done_by_rank0
+    from converters.checkpoint_io import summary_lines
+    from transfer.datasets.readers import read_image_folder
+    from transfer.features import FeatureCache, LayerFeatures, Preprocessing, load_model
+
+    model, backbone = load_model(args.weights, args.encoder, args.layout)
+    resize, crop = eval_cli.resolve_size(args.resize, args.crop, backbone.image_size)
+    prep = Preprocessing(resize, crop, "center")
+    train, val = read_image_folder(args.train_dir), read_image_folder(args.val_dir)
+    if train.classes != val.classes:
+        raise UserError(f"class folders of {args.train_dir} and {args.val_dir} differ; use the same classes in both")
+    # The inputs are valid; before the long work, prove the output can be written (rank 0 writes).
+    out = done_by_rank0(lambda: ensure_writable_dir(args.output_dir, "--output-dir"))
+    for line in summary_lines(backbone):
+        logger.info(line)
+    train.transform = val.transform = prep.transform()
+    cache = FeatureCache(out / "features", args.weights, args.encoder, prep)
+    make = lambda names: LayerFeatures(model, names)  # noqa: E731
+    kwargs = dict(batch_size=args.batch_size, workers=args.workers)
+    bank = cache.get(make, train, "train", ["res5avg"], **kwargs)
+    query = cache.get(make, val, "val", ["res5avg"], **kwargs)
+    if bank is None:
+        return None, None, out, train, val, prep, backbone
+    return bank["res5avg"], query["res5avg"], out, train, val, prep, backbone
 
 
 if __name__ == "__main__":

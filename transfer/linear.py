@@ -11,6 +11,10 @@ Presets: ``transfer.probe_presets``. The probe itself (torch): ``transfer.linear
 Train images: RandomResizedCrop(crop) + horizontal flip; val: shorter side `resize`, center crop.
 ``--epochs`` rescales the step milestones in proportion (60/80 of 100 → 3/4 of 5).
 Reported: top-1/top-5 of the last epoch and the best top-1 over epochs (MoCo reports the best).
+
+On N processes (``torchrun --nproc_per_node N -m transfer.linear ...``, ``accelerate launch``,
+``tools/slurm/probe.sbatch``): the same global batch and lr, each process a slice of every batch,
+the head under DDP (its BatchNorm synchronised); rank 0 holds the lock and writes.
 """
 
 from __future__ import annotations
@@ -83,17 +87,34 @@ def settings(args: argparse.Namespace) -> ProbeSettings:
 def main(argv: list[str] | None = None) -> None:
     probe = settings(parser().parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # One probe per output directory: a second one would interleave its epochs into the same files.
-    with OutputLock(probe.output_dir, "--output-dir"):
-        from contrastive_transfer.cli import write_json
-        from transfer.linear_probe import run
+    with eval_cli.launched_processes():
+        metrics = _run_locked(probe)
+    if metrics is not None:
+        print(json.dumps({k: round(metrics[k], 2) for k in ("top1", "top5", "best_top1")}))
 
+
+def _run_locked(probe: ProbeSettings) -> dict | None:
+    """The probe, holding the output directory: one probe per directory, since a second would
+    interleave its epochs into the same files. Under a launcher rank 0 alone takes the lock and
+    writes; every process stops with rank 0's one line when the directory is taken. The metrics on
+    rank 0, None on the others."""
+    from contrastive_transfer.cli import write_json
+    from contrastive_transfer.ranks import done_by_rank0, is_main
+    from transfer.linear_probe import run
+
+    lock = OutputLock(probe.output_dir, "--output-dir")
+    done_by_rank0(lambda: bool(lock.acquire()))
+    try:
         try:
             metrics = run(probe)
         except Preempted:  # saved where it stopped; the probe logged what to do
             raise SystemExit(PREEMPTED_EXIT_CODE) from None
+        if not is_main():
+            return None
         write_json(probe.output_dir / "metrics.json", metrics)
-    print(json.dumps({k: round(metrics[k], 2) for k in ("top1", "top5", "best_top1")}))
+        return metrics
+    finally:
+        lock.release()  # a no-op where it was not taken
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.transforms import v2
 
 from contrastive_transfer.cli import UserError
@@ -28,7 +28,19 @@ from contrastive_transfer.preempt import (
     ignore_in_worker,
 )
 from contrastive_transfer.progress import progress
+from contrastive_transfer.ranks import (
+    decided_by_rank0,
+    done_by_rank0,
+    gather_in_order,
+    is_main,
+    rank,
+    shard_indices,
+    summed,
+    world_size,
+)
 from contrastive_transfer.safe_load import UnsafeFileError, torch_load
+from contrastive_transfer.seeding import seeded_draws
+from contrastive_transfer.sync_bn import convert_sync_batchnorm
 from transfer import eval_cli
 from transfer.features import (
     LayerFeatures,
@@ -82,6 +94,41 @@ def train_transform(crop: int) -> v2.Compose:
     )
 
 
+class SeededSamples(Dataset):
+    """``dataset``'s items with the augmentation's random draws seeded by ``(seed, epoch, index)``
+    (``contrastive_transfer.seeding``): an image is augmented the same way whichever process,
+    DataLoader worker or batch reads it, so N processes train on the one-process batches and a
+    resumed epoch needs no replay of the batches before the stop. One per epoch."""
+
+    def __init__(self, dataset, seed: int, epoch: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return seeded_draws(self.seed, self.epoch, i, self.dataset.__getitem__, i)
+
+
+def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """This process's part of each global batch of ``epoch``: the one-process order (the
+    permutation torch's shuffling DataLoader draws from a generator seeded with seed + epoch,
+    the last incomplete batch dropped) cut into global batches of ``batch_size``, of which rank r
+    takes the r-th of W equal slices. DDP averages the W slices' gradients: the gradient of the
+    global batch's mean loss, as in one process, at the same learning rate."""
+    world, per_process = world_size(), batch_size // world_size()
+    if batch_size % world or n < batch_size and world > 1:
+        raise UserError(
+            f"--batch-size {batch_size} on {world} processes: expected a multiple of {world} and at most the "
+            f"{n} training images (the batch is the global one, split over the processes)"
+        )
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    full = [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    if n > batch_size and len(full[-1]) < batch_size:
+        full.pop()  # drop_last, as one process does
+    return [b[rank() * per_process : (rank() + 1) * per_process] if world > 1 else b for b in full]
+
+
 def read_dataset(name: str, root: str):
     from transfer.datasets.readers import read_image_folder, read_places205
 
@@ -94,13 +141,21 @@ def read_dataset(name: str, root: str):
 
 
 @torch.no_grad()
-def evaluate(features: LayerFeatures, layer: str, head: nn.Module, loader, device) -> dict[str, float]:
+def evaluate(
+    features: LayerFeatures, layer: str, head: nn.Module, dataset, batch_size: int, **loader
+) -> dict[str, float]:
+    """Top-1/top-5 of ``head`` on ``dataset``; under a launcher every process scores its batches
+    (``shard_indices``) and the scores are gathered in order, so every rank reports the same."""
     head.eval()
-    scores, labels = [], []
-    for x, y in loader:
+    shard = Subset(dataset, shard_indices(len(dataset), batch_size))
+    scores, labels = [torch.zeros(0, head[-1].out_features)], [torch.zeros(0, dtype=torch.long)]
+    for x, y in DataLoader(shard, batch_size=batch_size, **loader):
         scores.append(head(features(x.to(**like(features)))[layer]).float().cpu())
         labels.append(y)
-    return topk_accuracy(torch.cat(scores), torch.cat(labels))
+    n = len(dataset)
+    return topk_accuracy(
+        gather_in_order(torch.cat(scores), n, batch_size), gather_in_order(torch.cat(labels), n, batch_size)
+    )
 
 
 def backbone_changes(model: nn.Module, reference: dict[str, torch.Tensor]) -> list[str]:
@@ -158,7 +213,8 @@ class Probe:
     backbone: Any  # converters.checkpoint_io's record of the loaded weights
     reference: dict[str, torch.Tensor]  # the backbone's tensors as loaded
     features: LayerFeatures
-    head: nn.Sequential
+    head: nn.Sequential  # what is saved and evaluated
+    trained: nn.Module  # what the training step calls: the head, or DDP over it under a launcher
     optimizer: torch.optim.SGD
     train: ImageList
     val: ImageList
@@ -190,6 +246,7 @@ def setup(s: ProbeSettings) -> Probe:
     torch.manual_seed(s.seed)  # the fc initialization
     head = build_head(described["dim"], described["map"][0], len(train.classes), preset.head_bn)
     head = head.to(**like(features))
+    trained = distributed(head, device)
     optimizer = torch.optim.SGD(
         head.parameters(),
         lr=preset.lr,
@@ -215,6 +272,7 @@ def setup(s: ProbeSettings) -> Probe:
         reference,
         features,
         head,
+        trained,
         optimizer,
         train,
         val,
@@ -226,11 +284,29 @@ def setup(s: ProbeSettings) -> Probe:
     )
 
 
+def distributed(head: nn.Sequential, device: torch.device) -> nn.Module:
+    """The module the training step calls: ``head`` itself in one process. Under a launcher, DDP
+    over it (the gradients averaged over the processes), its BatchNorm first made global
+    (SyncBatchNorm on CUDA, ``ProcessGroupBatchNorm`` on gloo, where torch's does not run) so that
+    it normalises with the global batch's statistics, as one process does. The conversion is in
+    place: ``head`` keeps its parameters and state-dict keys, and is what is saved."""
+    if world_size() == 1:
+        return head
+    from torch.nn.parallel import DistributedDataParallel
+
+    convert_sync_batchnorm(head, device)
+    # The synchronised BN keeps the buffers equal on every rank: nothing to send each step (they
+    # are equal at the start too, the head built from the same seed everywhere).
+    return DistributedDataParallel(
+        head, device_ids=[device] if device.type == "cuda" else None, forward_sync_buffers=False
+    )
+
+
 def resume(probe: Probe) -> tuple[list[dict], int, dict | None]:
     """(history, next epoch, where a preempted epoch stopped or None) of the state on disk, loaded
     into the head and optimizer; refused when it was written with other settings."""
     path = probe.state_path
-    state = _read_probe_state(path)
+    state = done_by_rank0(lambda: _read_probe_state(path))  # rank 0's file, on every process
     if state["identity"] != probe.identity:
         diff = sorted(k for k in probe.identity if state["identity"].get(k) != probe.identity[k])
         raise UserError(
@@ -254,41 +330,38 @@ def train_epoch(
     preset, seed = probe.settings.preset, probe.settings.seed
     for group in probe.optimizer.param_groups:
         group["lr"] = lr
-    # Seeded per epoch: an interrupted run resumed at an epoch boundary repeats it exactly.
-    torch.manual_seed(seed + epoch)
-    order = torch.Generator().manual_seed(seed + epoch)
+    batches = epoch_batches(len(probe.train), preset.batch_size, seed, epoch)
+    total, count, skip = (0.0, 0, 0) if partial is None else (partial["total"], partial["count"], partial["batch"])
     loader = DataLoader(
-        probe.train,
-        batch_size=preset.batch_size,
-        shuffle=True,
-        generator=order,
+        SeededSamples(probe.train, seed, epoch),
+        batch_sampler=batches[skip:],  # a preempted epoch continues at its next batch
         num_workers=probe.settings.workers,
-        drop_last=len(probe.train) > preset.batch_size,
         worker_init_fn=functools.partial(ignore_in_worker, probe.preempt.names),  # the cluster signals them too
     )
-    probe.head.train()
-    total, count, skip = (0.0, 0, 0) if partial is None else (partial["total"], partial["count"], partial["batch"])
-    for i, (x, y) in enumerate(progress(loader, len(loader), f"linear probe, epoch {epoch + 1}/{preset.epochs}")):
-        if i < skip:
-            # Loaded again but not trained on: the augmentations' random streams (here and in the
-            # workers) reach where the preempted run left them, so the continuation is exact.
-            continue
+    probe.trained.train()
+    desc = f"linear probe, epoch {epoch + 1}/{preset.epochs}"
+    for i, (x, y) in enumerate(progress(loader, len(loader), desc), start=skip):
         with torch.no_grad():
             f = probe.features(x.to(**like(probe.features)))[preset.layer]
-        loss = F.cross_entropy(probe.head(f), y.to(probe.device))
-        first_loss = check_divergence(loss.item(), first_loss, preset.lr)
+        loss = F.cross_entropy(probe.trained(f), y.to(probe.device))
+        # The global batch's loss, the same on every rank: the divergence stop and the epoch's mean.
+        loss_sum, n = summed([loss.item() * len(y), len(y)], probe.device)
+        first_loss = check_divergence(loss_sum / n, first_loss, preset.lr)
         probe.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         probe.optimizer.step()
-        total, count = total + loss.item() * len(y), count + len(y)
-        if probe.preempt.received is not None and i + 1 < len(loader):
+        total, count = total + loss_sum, count + int(n)
+        # After the step, whether any process was signalled: every rank stops after the same batch.
+        if summed([probe.preempt.received is not None], probe.device)[0] and i + 1 < len(batches):
             return math.nan, first_loss, {"batch": i + 1, "total": total, "count": count}
     return total / max(count, 1), first_loss, None
 
 
 def save_state(probe: Probe, epoch: int, history: list[dict], partial: dict | None = None) -> None:
     """The state after ``epoch`` epochs (and ``partial``'s batches of the next), replacing the
-    previous one atomically."""
+    previous one atomically; by rank 0 alone under a launcher (the head is the same on every rank)."""
+    if not is_main():
+        return
     probe.settings.output_dir.mkdir(parents=True, exist_ok=True)
     state = {
         "identity": probe.identity,
@@ -304,11 +377,12 @@ def save_state(probe: Probe, epoch: int, history: list[dict], partial: dict | No
 def run(s: ProbeSettings) -> dict:
     """The probe from ``s``, resumed from its state when asked; returns the metrics record."""
     path = s.output_dir / PROBE_STATE
-    if os.path.lexists(path) and not s.resume:
+    exists = decided_by_rank0(os.path.lexists(path))  # rank 0's disk: the one written to
+    if exists and not s.resume:
         raise UserError(f"{path} exists: pass --resume to continue it, or choose another --output-dir")
     refuse_replacing_metrics(s.output_dir / "metrics.json", path, s.resume)
     probe = setup(s)
-    history, start, partial = resume(probe) if s.resume and os.path.lexists(path) else ([], 0, None)
+    history, start, partial = resume(probe) if s.resume and exists else ([], 0, None)
     with probe.preempt:
         epochs(probe, history, start, partial)
     changed = backbone_changes(probe.model, probe.reference)
@@ -335,12 +409,10 @@ def epochs(probe: Probe, history: list[dict], start: int, partial: dict | None) 
     signal stops after the batch under way (or after the epoch's evaluation, on its last batch),
     saved, by raising ``Preempted``."""
     s = probe.settings
-    val_loader = DataLoader(
-        probe.val,
-        batch_size=s.preset.batch_size,
-        num_workers=s.workers,
-        worker_init_fn=functools.partial(ignore_in_worker, probe.preempt.names),
-    )
+    val_loader = {
+        "num_workers": s.workers,
+        "worker_init_fn": functools.partial(ignore_in_worker, probe.preempt.names),
+    }
     first_loss = None
     for epoch in range(start, s.preset.epochs):
         t0 = time.time()
@@ -349,7 +421,7 @@ def epochs(probe: Probe, history: list[dict], start: int, partial: dict | None) 
         if partial is not None:
             save_state(probe, epoch, history, partial)
             stopped(probe, f"epoch {epoch + 1}, batch {partial['batch']}")
-        acc = evaluate(probe.features, s.preset.layer, probe.head, val_loader, probe.device)
+        acc = evaluate(probe.features, s.preset.layer, probe.head, probe.val, s.preset.batch_size, **val_loader)
         history.append({"epoch": epoch + 1, "lr": lr, "train_loss": train_loss, **acc, "seconds": time.time() - t0})
         save_state(probe, epoch + 1, history)
         logger.info(
@@ -386,8 +458,9 @@ def record(probe: Probe, history: list[dict]) -> dict:
         "backbone_unchanged": True,
         "feature": {"layer": preset.layer, **probe.described, "head": "BN(no affine) + fc" if preset.head_bn else "fc"},
         "settings": asdict(preset),
+        "processes": world_size(),  # each a slice of every global batch of settings.batch_size
         "preprocessing": {
-            "train": f"RandomResizedCrop {probe.crop} (scale 0.08-1) + horizontal flip",
+            "train": f"RandomResizedCrop {probe.crop} (scale 0.08-1) + horizontal flip, seeded per image",
             "val": probe.val_prep.describe(),
         },
         "train": {"images": len(probe.train)},

@@ -173,17 +173,23 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     layers = _layers(args.layers)
 
-    from converters.checkpoint_io import summary_lines
     from transfer.features import Preprocessing, load_model
 
     train, test = _read_splits(args)
     model, backbone = load_model(args.weights, args.encoder, args.layout)
     resize, crop = eval_cli.resolve_size(args.resize, args.crop, backbone.image_size)
     prep = Preprocessing(resize, crop, "warp")
-    # The inputs are valid; before the long work, prove the outputs can be written.
-    out = ensure_writable_dir(args.output_dir, "--output-dir")
-    if args.cache_dir:
-        ensure_writable_dir(args.cache_dir, "--cache-dir")
+    with eval_cli.launched_processes():
+        _run(args, layers, train, test, model, backbone, prep)
+
+
+def _run(args, layers, train, test, model, backbone, prep) -> None:
+    from contrastive_transfer.ranks import done_by_rank0
+    from converters.checkpoint_io import summary_lines
+
+    # The inputs are valid; before the long work, prove the outputs can be written (by rank 0, the
+    # one process that writes under a launcher).
+    out = done_by_rank0(lambda: _writable_outputs(args))
     for line in summary_lines(backbone):
         logger.info(line)
 
@@ -197,12 +203,21 @@ def main(argv: list[str] | None = None) -> None:
             "test": {"split": args.test_split, "images": len(test.ids), **_chance_record(test.labels)},
             "layers": {},
         }
-        _evaluate_layers(args, layers, model, prep, train, test, metrics, out, caught.add)
+        if not _evaluate_layers(args, layers, model, prep, train, test, metrics, out, caught.add):
+            return  # a rank other than 0: its shards of the features are extracted
     print(json.dumps({name: round(m["mAP"], 2) for name, m in metrics["layers"].items()}))
 
 
-def _evaluate_layers(args, layers, model, prep, train, test, metrics: dict, out, on_warnings) -> None:
-    """Features of both splits (cached), then the SVMs of each layer; metrics.json rewritten after each."""
+def _writable_outputs(args):
+    out = ensure_writable_dir(args.output_dir, "--output-dir")
+    if args.cache_dir:
+        ensure_writable_dir(args.cache_dir, "--cache-dir")
+    return out
+
+
+def _evaluate_layers(args, layers, model, prep, train, test, metrics: dict, out, on_warnings) -> bool:
+    """Features of both splits (cached), then the SVMs of each layer; metrics.json rewritten after each.
+    False, with nothing written, on a rank other than 0 of a launcher (it extracts its shards only)."""
     from contrastive_transfer.cli import write_json
     from transfer.features import FeatureCache, LayerFeatures
 
@@ -212,6 +227,8 @@ def _evaluate_layers(args, layers, model, prep, train, test, metrics: dict, out,
     make = lambda names: LayerFeatures(model, names)  # noqa: E731
     train_feats = cache.get(make, train.images, args.train_split, layers, **kwargs)
     test_feats = cache.get(make, test.images, args.test_split, layers, **kwargs)
+    if train_feats is None:
+        return False
     described = LayerFeatures(model, layers).describe(prep.crop)
     for name in layers:
         start = time.time()
@@ -230,6 +247,7 @@ def _evaluate_layers(args, layers, model, prep, train, test, metrics: dict, out,
         metrics["layers"][name] = {**described[name], **result.to_json(), "svm_seconds": time.time() - start}
         logger.info("%s (%d-d): VOC07 SVM mAP %.2f", name, described[name]["dim"], result.map)
         write_json(out / "metrics.json", metrics)
+    return True
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def _check_collectives(r, out_dir):
 def _check_process_group_batchnorm(r, out_dir):
     """Each rank normalizes its half; outputs, input and parameter gradients (summed over ranks,
     as DDP's average of per-rank mean losses times W) equal plain BatchNorm on the whole batch."""
-    from pretrain.models import ProcessGroupBatchNorm
+    from contrastive_transfer.sync_bn import ProcessGroupBatchNorm
 
     torch.manual_seed(0)  # same data and weights on every rank
     x_all = torch.randn(WORLD * N, 3, 2, 2, dtype=torch.float64) * 3 + 1

@@ -47,12 +47,12 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+from contrastive_transfer.sync_bn import convert_sync_batchnorm
 from pretrain import dist
 from pretrain.config import load_config
 from pretrain.losses import LOSSES, sample_negatives
 from pretrain.methods import METHODS
 from pretrain.methods import base as methods_base
-from pretrain.models import convert_sync_batchnorm
 
 from ..method_cases import assert_tiny, loss_host, method_recipe, tiny_encoders
 from ..multiprocess_harness import WORLD, NaiveGather, Workers, assert_check_passed, ddp_average, rel_err
@@ -141,7 +141,7 @@ def _bn_buffers(method: nn.Module) -> dict[str, torch.Tensor]:
 
 def _check_simclr_global_bn(r, out_dir):
     """Train-mode BN converted as the engine does for several CPU processes (global statistics)."""
-    from pretrain.models import convert_sync_batchnorm
+    from contrastive_transfer.sync_bn import convert_sync_batchnorm
 
     method = convert_sync_batchnorm(_simclr(WORLD), torch.device("cpu")).train()
     x1, x2 = _global_batch(7, torch.float64)

@@ -4,17 +4,20 @@ frozen backbone and exact resume."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 import torchvision
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import transfer.features as features
 import transfer.linear as linear
 import transfer.linear_probe as linear_probe
-from contrastive_transfer.contract import knn_vote
+from contrastive_transfer.contract import knn_bank, knn_vote
 from converters.checkpoint_io import load_backbone
 from transfer.features import LayerFeatures, Preprocessing, pool
 from transfer.knn import topk_accuracy
@@ -201,7 +204,7 @@ def test_knn_votes_match_brute_force():
     query = torch.nn.functional.normalize(torch.randn(13, 8, dtype=torch.float64), dim=1)
     labels = torch.as_tensor(rng.integers(0, 4, 50))
     k, t = 7, 0.07
-    got = knn_vote(query, bank, labels, 4, k, t, chunk=5)
+    got = knn_vote(query, bank, labels, 4, k, t, max_similarities=5 * 50)  # chunks of 5 queries
     for q in range(13):
         sims = [float(query[q] @ bank[j]) for j in range(50)]
         nearest = sorted(range(50), key=lambda j: -sims[j])[:k]
@@ -209,6 +212,58 @@ def test_knn_votes_match_brute_force():
         np.testing.assert_allclose(got[q].numpy(), expected, rtol=1e-10)
     scores = torch.tensor([[0.1, 0.5, 0.4], [0.9, 0.05, 0.05]])
     assert topk_accuracy(scores, torch.tensor([2, 0]), ks=(1, 2)) == {"top1": 50.0, "top2": 100.0}
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any torch operation produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_knn_vote_in_chunks_equals_the_brute_force_vote_exactly_and_never_holds_bank_by_queries():
+    """Integer-valued float64 vectors: every similarity is exact whatever the product's summation
+    order (a 1-row and a 36-row product round differently otherwise), so the chunked vote must equal
+    the one-chunk vote bit for bit, and the brute-force formula up to exp's last bit."""
+    g = torch.Generator().manual_seed(0)
+    bank = torch.randint(-100_000, 100_001, (300, 16), generator=g).double()
+    query = torch.randint(-100_000, 100_001, (37, 16), generator=g).double()
+    labels = torch.randint(0, 5, (300,), generator=g)
+    k, t = 20, 4e9  # similarities up to 1.6e11 (exact in float64): exp(sim / t) stays finite
+    sims = query @ bank.T
+    assert all(len(set(row.tolist())) == 300 for row in sims)  # no ties: the k nearest are one set
+    brute = torch.zeros(37, 5, dtype=torch.float64)
+    for q in range(37):
+        for j in sorted(range(300), key=lambda j: -sims[q, j].item())[:k]:
+            brute[q, labels[j]] += math.exp(sims[q, j].item() / t)
+    whole = knn_vote(query, bank, labels, 5, k, t, max_similarities=300 * 37)  # one chunk: the full matrix
+    torch.testing.assert_close(whole, brute, rtol=1e-14, atol=0)
+    for budget in (300, 300 * 4, 300 * 36):  # 1, 4 and 36 queries a chunk (the last chunk shorter)
+        with LargestTensor() as seen:
+            chunked = knn_vote(query, bank, labels, 5, k, t, max_similarities=budget)
+        assert torch.equal(chunked, whole), budget
+        assert seen.numel <= max(budget, 300 * 16), (budget, seen.numel)  # never 37 × 300 similarities
+    with LargestTensor() as seen:
+        knn_vote(query, bank, labels, 5, k, t, max_similarities=300 * 37)
+    assert seen.numel == 300 * 37  # the control: the one-chunk vote does hold the whole matrix
+
+
+def test_knn_bank_normalises_on_the_cpu_in_float32_in_place():
+    x = torch.randn(1000, 8, generator=torch.Generator().manual_seed(1)) * 5
+    reference = torch.nn.functional.normalize(x.clone(), dim=1)
+    bank = knn_bank(x, block_rows=64)  # 16 blocks
+    assert bank.dtype == torch.float32 and bank.data_ptr() == x.data_ptr()  # no second bank
+    assert torch.equal(bank, reference)
+    halves = knn_bank(np.ones((3, 4), dtype=np.float16), "cpu")  # a float16 array: float32 on a CPU
+    assert halves.dtype == torch.float32 and torch.allclose(halves, torch.full((3, 4), 0.5))
 
 
 # ----------------------------------------------------------------------------------- linear probe
