@@ -10,6 +10,10 @@ pages stay shared. detectron2's ``DatasetFromList(serialize=True)`` does the sam
 
 ``save``/``load`` keep an index beside a run (``.npz``, read without pickle), so that one process
 builds it and the others read it, and a resumed run sees the same list it started with.
+
+A dataset kept as tar shards (contrastive_transfer/shards.py) is indexed the same way: the names are
+the members' names, and ``locations`` holds per image its shard, data offset and size (three
+``int64``: 24 bytes more per image); an entry's path is then a ``Member``, read from its shard.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import IO
 import numpy as np
 
 from contrastive_transfer.cli import UserError, atomic_write
+from contrastive_transfer.members import Member
 from contrastive_transfer.untrusted import check_archive, open_untrusted
 
 __all__ = ["FileIndex", "FileIndexError"]
@@ -45,17 +50,28 @@ class FileIndex(Sequence):
         offsets: np.ndarray,
         labels: np.ndarray,
         classes: Sequence[str] = (),
+        shards: Sequence[str] = (),
+        locations: np.ndarray | None = None,
     ):
         self.root = os.fspath(root)
         self._prefix = os.fsencode(os.path.join(self.root, ""))
         self.blob, self.offsets, self.labels = blob, offsets, labels
         self.classes = list(classes)  # label i names classes[i]; none for a flat folder (labels -1)
+        # tar shards: the shards' paths and, per image, (shard number, data offset, size) in it
+        self.shards = list(shards)
+        self.locations = locations if locations is not None else np.zeros((0, 3), dtype=np.int64)
 
     @classmethod
     def from_samples(
-        cls, root: str | os.PathLike, samples: Iterable[tuple[str, int]], classes: Sequence[str] = ()
+        cls,
+        root: str | os.PathLike,
+        samples: Iterable[tuple[str, int]],
+        classes: Sequence[str] = (),
+        shards: Sequence[str] = (),
+        locations: np.ndarray | None = None,
     ) -> "FileIndex":
-        """Pack ``(path under root, label)`` pairs (absolute or relative paths)."""
+        """Pack ``(path under root, label)`` pairs (absolute or relative paths); for tar shards,
+        ``(member name, label)`` pairs with the members' ``locations`` in ``shards``."""
         root = os.fspath(root)
         prefix = os.path.join(root, "")
         names, labels = [], []
@@ -69,7 +85,7 @@ class FileIndex(Sequence):
         offsets = np.zeros(len(names) + 1, dtype=np.int64)
         np.cumsum([len(n) for n in names], out=offsets[1:])
         blob = np.frombuffer(b"".join(names), dtype=np.uint8)
-        return cls(root, blob, offsets, np.asarray(labels, dtype=np.int32), classes)
+        return cls(root, blob, offsets, np.asarray(labels, dtype=np.int32), classes, shards, locations)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -81,6 +97,9 @@ class FileIndex(Sequence):
             raise IndexError(f"index {i} out of range for {len(self)} files")
         i = int(i) % len(self)
         name = self.blob[self.offsets[i] : self.offsets[i + 1]].tobytes()
+        if self.shards:
+            shard, offset, size = self.locations[i].tolist()
+            return Member(self.shards[shard], os.fsdecode(name), offset, size), int(self.labels[i])
         return os.fsdecode(self._prefix + name), int(self.labels[i])
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -90,6 +109,8 @@ class FileIndex(Sequence):
             "labels": self.labels,
             "classes": np.array(self.classes, dtype=str),
             "root": np.array(self.root),
+            "shards": np.array(self.shards, dtype=str),
+            "locations": self.locations,
         }
         return atomic_write(path, lambda f: np.savez(f, **arrays))
 
@@ -104,16 +125,21 @@ class FileIndex(Sequence):
                 with np.load(f, allow_pickle=False) as arrays:
                     blob, offsets, labels = (arrays[k] for k in ("blob", "offsets", "labels"))
                     classes = arrays["classes"] if "classes" in arrays else np.array([], dtype=str)
+                    shards = arrays["shards"] if "shards" in arrays else np.array([], dtype=str)
+                    locations = arrays["locations"] if "locations" in arrays else np.zeros((0, 3), np.int64)
         except FileIndexError:
             raise
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
             raise FileIndexError(f"{path}: not a file index ({' '.join(str(e).split()) or type(e).__name__})") from None
-        why = _inconsistency(blob, offsets, labels) or (
-            None if classes.ndim == 1 and classes.dtype.kind in "U" or not len(classes) else "class names not text"
+        why = (
+            _inconsistency(blob, offsets, labels)
+            or _text_problem(classes, "class names")
+            or _text_problem(shards, "shard paths")
+            or _location_problem(locations, len(shards), len(labels))
         )
         if why:
             raise FileIndexError(f"{path}: not a usable file index: {why}; delete it to rebuild it from the folder")
-        index = cls(root, blob, offsets, labels, [str(c) for c in classes])
+        index = cls(root, blob, offsets, labels, [str(c) for c in classes], [str(s) for s in shards], locations)
         index.check_labels(len(index.classes), str(path))
         return index
 
@@ -163,6 +189,22 @@ def check_array_headers(f: IO[bytes], path: str | os.PathLike) -> None:
                     )
     finally:
         f.seek(0)
+
+
+def _text_problem(values: np.ndarray, what: str) -> str | None:
+    return None if not len(values) or values.ndim == 1 and values.dtype.kind == "U" else f"{what} not text"
+
+
+def _location_problem(locations: np.ndarray, shards: int, n: int) -> str | None:
+    """Members' locations: (shard, offset, size) per image, in a shard of the index (a member's read
+    checks offset and size against its shard again: the shard may have changed since)."""
+    if not shards:
+        return None if locations.size == 0 else "member locations without shards"
+    if locations.dtype != np.int64 or locations.shape != (n, 3):
+        return f"member locations of dtype {locations.dtype} and shape {locations.shape}, expected int64 ({n}, 3)"
+    if n and (locations.min() < 0 or locations[:, 0].max() >= shards):
+        return f"member locations outside the {shards} shards or negative"
+    return None
 
 
 def _inconsistency(blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> str | None:

@@ -15,12 +15,15 @@ decode of an image at the pixel limit needs), before decoding.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO
 
 from PIL import Image
 
+from contrastive_transfer.members import Member, read_member
 from contrastive_transfer.untrusted import UnsafeFileError, open_untrusted, read_untrusted
 
 # 2^28 ≈ 268 M pixels: a 16k × 16k image; any real photo dataset is far below.
@@ -52,10 +55,20 @@ def _opened(path: str | os.PathLike, extra_per_pixel: int = 0) -> Iterator[Image
     """The image opened through the gate, its pixel count checked from the header (nothing is
     decoded yet); whatever fails here or in the caller's decoding is OSError ``cannot read image
     PATH: reason`` (one line)."""
-    with decoding(path), open_untrusted(path, "image") as f, Image.open(f) as im:
+    with decoding(path), _image_file(path) as f, Image.open(f) as im:
         check_pixels(im.width, im.height)
         check_decoded_bytes(im.width, im.height, im.mode, extra_per_pixel)
         yield im
+
+
+@contextmanager
+def _image_file(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """The image's file through the gate: a member of a tar shard (``Member``) is read from it."""
+    if isinstance(path, Member):
+        yield io.BytesIO(read_member(path))
+    else:
+        with open_untrusted(path, "image") as f:
+            yield f
 
 
 def open_rgb(path: str | os.PathLike) -> Image.Image:
@@ -111,5 +124,6 @@ def check_decoded_bytes(width: int, height: int, mode: str, extra_per_pixel: int
 
 def read_image_bytes(path: str | os.PathLike) -> bytes:
     """An image file's bytes through the gate (for decoders that take bytes, such as simplejpeg):
-    UnsafeFileError (a ValueError, one of DECODE_ERRORS) for a special file or one above the cap."""
-    return read_untrusted(path, "image")
+    UnsafeFileError (a ValueError, one of DECODE_ERRORS) for a special file or one above the cap.
+    A member of a tar shard (``Member``) is read from its shard."""
+    return read_member(path) if isinstance(path, Member) else read_untrusted(path, "image")

@@ -27,6 +27,8 @@ def escapes(relative: str) -> str | None:
     """Why ``relative`` would leave the folder it is joined to, or None when it stays inside."""
     if not isinstance(relative, str) or not relative:
         return "an empty path"
+    if not relative.startswith(("/", "\\", "~")) and not any(c in relative for c in ("\x00", "..", ":")):
+        return None  # the common case, without the path parsing below (a Places205 list has 2.45 M lines)
     if "\x00" in relative:
         return "a NUL character"
     if PurePosixPath(relative).is_absolute() or PureWindowsPath(relative).is_absolute() or relative.startswith("~"):

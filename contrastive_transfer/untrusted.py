@@ -75,6 +75,7 @@ KINDS: dict[str, Kind] = {
     "image": Kind("an image", 256 * MiB),  # a 16k x 16k JPEG is well below
     "file index": Kind("a file index", 2 * GiB),  # ImageNet's 1.28 M images: ~50 MiB
     "features": Kind("a feature array", 32 * GiB),  # ImageNet train's 1.28 M x 2048 float32: ~10 GiB
+    "shard": Kind("a tar shard", 64 * GiB),  # WebDataset's advice: 100 MiB to a few GiB per shard
 }
 
 # What a loaded file may expand to as a tree (every container and value counted once per path that

@@ -43,7 +43,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "method": {"name": None},
     "model": {"arch": "resnet50", "stem": "imagenet"},  # stem: imagenet | small (3×3/1 conv, no max-pool)
     "data": {
-        "root": "datasets/imagenet/train",  # ImageFolder or a flat folder of images
+        "root": "datasets/imagenet/train",  # ImageFolder, flat folder, or tar shards: S/train-{000000..000127}.tar
         "augmentation": "mocov2",  # a preset of configs/augment/ (`python -m pretrain --help` lists them)
         # null: the preset's views; a list replaces them; data.views.0.jitter.p=0.5 edits (docs/augmentation.md)
         "views": None,

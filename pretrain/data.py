@@ -33,6 +33,7 @@ from contrastive_transfer.file_index import FileIndex
 from contrastive_transfer.images import DECODE_ERRORS
 from contrastive_transfer.paths import printable, scan_image_folder
 from contrastive_transfer.seeding import stable_seed
+from contrastive_transfer.shards import index_shards, is_sharded
 from pretrain import dist
 from pretrain.data_backends import DEFAULT_BACKEND, backend_named, backend_of
 
@@ -87,7 +88,12 @@ def _scan(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
 
 
 def scan_index(root: str | os.PathLike) -> FileIndex:
-    """The folder's images as a packed index (``_scan``: ImageFolder or a flat folder)."""
+    """The folder's images as a packed index (``_scan``: ImageFolder or a flat folder), or the
+    images of tar shards (``data.root=shards/train-{000000..000127}.tar``, contrastive_transfer/shards.py):
+    their members by offset, in the order they were written, so that the samplers, the augmentation
+    seeds and a resume treat them as the folder's files."""
+    if is_sharded(root):
+        return index_shards(root).index
     samples, classes = _scan(Path(root))
     return FileIndex.from_samples(root, samples, classes)
 

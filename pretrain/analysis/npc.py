@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from contrastive_transfer.shards import is_sharded
 from pretrain.analysis import common
 from pretrain.analysis.common import AnalysisError, write_csv, write_summary
 from pretrain.augment import build_view_transforms
@@ -206,8 +207,10 @@ def run(
     data = setting(data, "data.root", "--data")
     if temperature <= 0:
         raise AnalysisError(f"--temperature {temperature}: expected a positive number")
-    if not os.path.isdir(data):
-        raise AnalysisError(f"data root {data} is not a folder (pass --data an ImageFolder or a folder of images)")
+    if not os.path.isdir(data) and not is_sharded(data):
+        raise AnalysisError(
+            f"data root {data} is not a folder (pass --data an ImageFolder, a folder of images or tar shards)"
+        )
 
     z1, z2, image_index = embed_views(net, data, augmentation, image_size, seed, max_images)
     n = z1.shape[0]

@@ -281,6 +281,19 @@ def test_npc_on_a_final_export_uses_backbone_features(tiny_moco, synthetic_root,
     assert 0.0 <= summary["stats"][0]["p05"] <= summary["stats"][0]["p95"] <= 1.0
 
 
+def test_npc_reads_tar_shards_of_the_folder_with_the_folders_figures(tiny_moco, synthetic_root, tmp_path):
+    from transfer import shards
+
+    folder = synthetic_root / "imagenet" / "train"
+    shards.main([str(folder), str(tmp_path / "shards"), "--shard-size", "100"])
+    final = str(tiny_moco / "checkpoint_final.pth")
+    summaries = []
+    for name, data in [("folder", str(folder)), ("shards", str(tmp_path / "shards" / "train-{000000..000003}.tar"))]:
+        main(["npc", final, "--out", str(tmp_path / name), "--data", data, "--batch-sizes", "4", "--max-images", "8"])
+        summaries.append(json.loads((tmp_path / name / "npc.json").read_text()))
+    assert summaries[0]["stats"] == summaries[1]["stats"] and summaries[0]["stats"][0]["mean"] > 0
+
+
 # ------------------------------------------------------------------------------------ negatives
 def test_negatives_of_a_tiny_moco_run(tiny_moco, synthetic_root, tmp_path):
     main(
