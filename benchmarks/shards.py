@@ -45,7 +45,7 @@ def write_folder(root: Path, images: int, side: int) -> None:
 
 def evict(paths) -> None:
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # files it wrote itself; never through a link
         try:
             os.fdatasync(fd)  # written pages are dropped only once on disk
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
