@@ -103,7 +103,7 @@ class FileIndex(Sequence):
         return os.fsdecode(self._prefix + name), int(self.labels[i])
 
     def save(self, path: str | os.PathLike) -> Path:
-        arrays = {
+        arrays: dict[str, np.ndarray] = {
             "blob": self.blob,
             "offsets": self.offsets,
             "labels": self.labels,
@@ -112,7 +112,7 @@ class FileIndex(Sequence):
             "shards": np.array(self.shards, dtype=str),
             "locations": self.locations,
         }
-        return atomic_write(path, lambda f: np.savez(f, **arrays))
+        return atomic_write(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]  # numpy's stub: allow_pickle
 
     @classmethod
     def load(cls, path: str | os.PathLike, root: str | os.PathLike) -> "FileIndex":

@@ -31,6 +31,7 @@ class ProcessGroupBatchNorm(nn.modules.batchnorm._BatchNorm):
         n = stats[-1]
         mean = stats[:c] / n
         var = (stats[c : 2 * c] / n - mean * mean).clamp_min(0)
+        assert self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None
         with torch.no_grad():
             m = self.momentum if self.momentum is not None else 0.1
             self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)

@@ -26,7 +26,7 @@ import argparse
 import functools
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -172,6 +172,7 @@ def _flat_tensor_items(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
 def _write(data: Any, out: Path) -> None:
     """``data`` to ``out`` in its suffix's format, read back by the project's own reader before it
     takes OUT's name: a file that would not load is never left there."""
+    check: Callable[[Path], object]
     if out.suffix == ".pkl":
         payload = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
         write, check = (lambda f: f.write(payload)), load_pickle
