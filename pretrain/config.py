@@ -363,24 +363,29 @@ def saved_config(data: Any, where: str) -> DictConfig:
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key may take: [low, high], or (low, high] when ``above`` (a
-    temperature or a scale of 0 is no setting)."""
+    temperature or a scale of 0 is no setting); ``what`` says in words what they are."""
 
     low: float
     high: float
     above: bool = False
+    what: str = "a value"
 
     def holds(self, value: float) -> bool:
         return (self.low < value if self.above else self.low <= value) and value <= self.high
 
     def __str__(self) -> str:
-        return f"{'(' if self.above else '['}{self.low}, {self.high}]"
+        high = "inf)" if self.high == math.inf else f"{self.high}]"
+        return f"{'(' if self.above else '['}{self.low}, {high}"
 
 
 # Data loader processes per rank: a million forks the machine until it is killed. Tied to this
 # machine's CPUs (a loader gains nothing from more processes than cores), with room for machines
 # whose CPU count is not what the scheduler grants.
 MAX_WORKERS = max(64, 4 * (os.cpu_count() or 1))
-_FRACTION, _TEMPERATURE, _RATE = Range(0, 1), Range(0, 100, above=True), Range(0, 1000)
+# A learning rate sizes nothing, so any finite one is accepted: an lr that makes the loss diverge is
+# the non-finite stop's to name (docs/failsafe.md).
+_FRACTION, _RATE = Range(0, 1), Range(0, math.inf, what="a finite number")
+_TEMPERATURE = Range(0, 100, above=True, what="a positive number")
 _STEPS, _EPOCHS = Range(1, 10**12), Range(1, 10**6)
 
 
@@ -408,7 +413,7 @@ def _non_string_key(node: Any, prefix: str = "", depth: int = 0) -> str | None:
 RANGES: dict[str, Range] = {
     "data.image_size": Range(1, 4096),
     "data.max_bad_fraction": _FRACTION,
-    "data.min_crop_scale": Range(0, 1, above=True),
+    "data.min_crop_scale": Range(0, 1, above=True, what="null (the recipe's) or a fraction of the image area"),
     "data.num_workers": Range(0, MAX_WORKERS),
     "knn.every_epochs": _EPOCHS,
     "knn.k": Range(1, 100_000),
@@ -470,7 +475,7 @@ def _check_numbers(container: Any, where: str, saved: bool = False) -> None:
             raise ConfigError(f"{where}: {key}={value!r}: expected a finite number")
         allowed = range_of(key)
         if allowed is not None and not (saved and key in _MACHINE_KEYS) and not allowed.holds(value):
-            raise ConfigError(f"{where}: {key}={_shown(value)}: expected a value in {allowed}")
+            raise ConfigError(f"{where}: {key}={_shown(value)}: expected {allowed.what} in {allowed}")
 
 
 def _shown(value: Any) -> str:
