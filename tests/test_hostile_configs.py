@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import http.server
 import json
+import math
 import os
 import pickle
 import random
@@ -757,7 +758,8 @@ def number_mutants(valid: dict, rng: random.Random, n: int):
     floats = [p for p, v in _leaves(valid) if isinstance(v, float)]
     for _ in range(n):
         if rng.random() < 0.5:
-            key = rng.choice(sorted(k for k in RANGES if RANGES[k].high >= 2**16 and not k.endswith(".N")))
+            sizes = (k for k in RANGES if 2**16 <= RANGES[k].high < math.inf and not k.endswith(".N"))  # not an lr
+            key = rng.choice(sorted(sizes))
             yield tuple(key.split(".")), rng.choice([RANGES[key].high + 1, 10**13, 2**63])
         else:
             yield rng.choice(floats), rng.choice([float("nan"), float("inf"), -float("inf")])
