@@ -24,6 +24,7 @@ __all__ = [
     "rank",
     "is_main",
     "local_device",
+    "check_launch",
     "init_from_launcher",
     "all_reduce_with_grad",
     "decided_by_rank0",
@@ -62,10 +63,28 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_from_launcher() -> bool:
+def check_launch(module: str) -> None:
+    """Stop a launch that asked for several processes but runs one.
+
+    ``accelerate launch --cpu --num_processes N`` (and ``--num_machines M`` with ``--cpu``) goes
+    through Accelerate's single-process launcher, which ignores the count: it sets the rendezvous
+    address for the N processes but starts one, without WORLD_SIZE. The job would silently run on
+    one process (pretraining with N times the per-process batch, an evaluator N times slower)."""
+    cpu_launcher = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
+    if cpu_launcher and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
+        raise UserError(
+            "`accelerate launch --cpu --num_processes N` starts ONE process (Accelerate's CPU launcher "
+            f"ignores the count); for N CPU processes use `torchrun --nproc_per_node N -m {module} ...` "
+            f"or `accelerate launch --multi_gpu --num_processes N -m {module} ...` (gloo without GPUs)"
+        )
+
+
+def init_from_launcher(module: str) -> bool:
     """Join the process group that ``torchrun`` / ``accelerate launch`` / ``srun torchrun`` set up
     in the environment (WORLD_SIZE > 1): NCCL on GPUs, gloo on CPUs. True when this call created it
-    (the caller then destroys it at the end); False in one process or when a group already exists."""
+    (the caller then destroys it at the end); False in one process or when a group already exists.
+    ``module`` (``transfer.knn``) names the command in the line of ``check_launch``."""
+    check_launch(module)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or initialized():
         return False
     device = local_device()

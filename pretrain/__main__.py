@@ -12,6 +12,7 @@ import os
 
 from contrastive_transfer.cli import DEBUG_HELP, UserError, command
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
+from contrastive_transfer.ranks import check_launch
 from pretrain.augment.views import PRESETS
 from pretrain.config import load_config
 from pretrain.data_backends import BACKENDS
@@ -22,22 +23,6 @@ from pretrain.methods import METHODS
 def launched_processes() -> int:
     """The number of processes this launch runs, from the launchers' environment (WORLD_SIZE)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def check_launch() -> None:
-    """Stop a launch that asked for several processes but runs one.
-
-    ``accelerate launch --cpu --num_processes N`` (and ``--num_machines M`` with ``--cpu``) goes
-    through Accelerate's single-process launcher, which ignores the count: it sets the rendezvous
-    address for the N processes but starts one, without WORLD_SIZE. Training would silently run
-    on one process with N times the per-process batch."""
-    cpu_launcher = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
-    if cpu_launcher and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
-        raise UserError(
-            "`accelerate launch --cpu --num_processes N` starts ONE process (Accelerate's CPU launcher "
-            "ignores the count); for N CPU processes use `torchrun --nproc_per_node N -m pretrain ...` "
-            "or `accelerate launch --multi_gpu --num_processes N -m pretrain ...` (gloo without GPUs)"
-        )
 
 
 def resolve_mixed_precision(cfg) -> tuple[str, str | None]:
@@ -112,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     if not args.print_config:
-        check_launch()
+        check_launch("pretrain")
     num_processes = launched_processes()
     cfg = load_config(args.config, args.overrides, num_processes)
     precision, note = resolve_mixed_precision(cfg)

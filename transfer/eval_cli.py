@@ -39,7 +39,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 @contextlib.contextmanager
-def launched_processes():
+def launched_processes(module: str):
     """The evaluator's process group while the block runs, when a launcher started several
     processes (``torchrun --nproc_per_node N -m transfer.knn ...``, ``accelerate launch``,
     ``srun``): NCCL on GPUs, gloo on CPUs, left again at the end. Ranks other than 0 log warnings
@@ -48,7 +48,7 @@ def launched_processes():
 
     from contrastive_transfer.ranks import init_from_launcher, is_main
 
-    created = init_from_launcher()
+    created = init_from_launcher(module)
     if not is_main():
         logging.getLogger().setLevel(logging.WARNING)
     try:

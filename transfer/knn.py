@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from contrastive_transfer.cli import write_json
 
-    with eval_cli.launched_processes():
+    with eval_cli.launched_processes("transfer.knn"):
         bank, query, out, train, val, prep, backbone = _features(args)
         if bank is None:  # ranks other than 0 under a launcher: their shards are extracted
             return

@@ -87,7 +87,7 @@ def settings(args: argparse.Namespace) -> ProbeSettings:
 def main(argv: list[str] | None = None) -> None:
     probe = settings(parser().parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with eval_cli.launched_processes():
+    with eval_cli.launched_processes("transfer.linear"):
         metrics = _run_locked(probe)
     if metrics is not None:
         print(json.dumps({k: round(metrics[k], 2) for k in ("top1", "top5", "best_top1")}))

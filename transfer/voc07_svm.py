@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     model, backbone = load_model(args.weights, args.encoder, args.layout)
     resize, crop = eval_cli.resolve_size(args.resize, args.crop, backbone.image_size)
     prep = Preprocessing(resize, crop, "warp")
-    with eval_cli.launched_processes():
+    with eval_cli.launched_processes("transfer.voc07_svm"):
         _run(args, layers, train, test, model, backbone, prep)
 
 

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from contrastive_transfer.cli import OutputLock
 from contrastive_transfer.contract import METHOD_STATE
+from contrastive_transfer.ranks import check_launch
 from pretrain import __main__ as cli
 from pretrain.checkpoint import LAST_NAME, PREV_NAME, read_training_state
 
@@ -313,7 +314,7 @@ def test_one_process_instead_of_n_is_stopped_with_a_working_command(monkeypatch,
         cli.main(["--config", RECIPE, f"train.output_dir={tmp_path}"])
     assert "starts ONE process" in str(stop.value) and "torchrun --nproc_per_node N" in str(stop.value)
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun / --multi_gpu: a real N-process launch passes
-    cli.check_launch()
+    check_launch("pretrain")
 
 
 def test_mixed_precision_follows_the_launcher_unless_the_config_says_otherwise(monkeypatch):

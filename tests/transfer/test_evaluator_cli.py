@@ -169,7 +169,40 @@ def test_unwritable_output_fails_before_any_feature_is_extracted(
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     out = str(blocker / "out")
-    common = ["--weights", str(project_checkpoint), "--workers", "0", "--output-dir", out]
+    module, argv = _evaluator(evaluator, synthetic_root, project_checkpoint, out)
+    with pytest.raises(SystemExit) as stop:
+        module.main(argv)
+    assert str(stop.value).startswith("error: --output-dir") and out in str(stop.value)
+    assert "\n" not in str(stop.value) and not extracted
+
+
+@pytest.mark.parametrize("evaluator", ["knn", "voc07_svm", "linear"])
+def test_accelerates_cpu_launcher_running_one_of_n_processes_is_stopped(
+    evaluator, synthetic_root, project_checkpoint, tmp_path, monkeypatch
+):
+    """What ``accelerate launch --cpu --num_processes 2 -m transfer.X`` leaves in the one process it
+    starts (seen from the real launcher): the rendezvous address without WORLD_SIZE. The control: a
+    real N-process launch (WORLD_SIZE) is not stopped by the check."""
+    from contrastive_transfer.ranks import check_launch
+
+    extracted = []
+    monkeypatch.setattr(features, "extract", lambda *a, **k: extracted.append(1) or {})
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    module, argv = _evaluator(evaluator, synthetic_root, project_checkpoint, str(tmp_path / "out"))
+    with pytest.raises(SystemExit) as stop:
+        module.main(argv)
+    line = str(stop.value)
+    assert "starts ONE process" in line and f"torchrun --nproc_per_node N -m transfer.{evaluator} " in line
+    assert "\n" not in line and not extracted and not (tmp_path / "out").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_launch(f"transfer.{evaluator}")
+
+
+def _evaluator(evaluator: str, synthetic_root: Path, checkpoint: Path, out: str):
+    """The evaluator's module and a command line for it on the synthetic data."""
+    common = ["--weights", str(checkpoint), "--workers", "0", "--output-dir", out]
     argv = {
         "knn": [
             "--train-dir",
@@ -180,11 +213,7 @@ def test_unwritable_output_fails_before_any_feature_is_extracted(
         "voc07_svm": ["--voc-root", str(synthetic_root / "VOC2007")],
         "linear": ["--dataset", "imagenet", "--data-root", str(synthetic_root / "imagenet"), "--preset", "moco"],
     }
-    module = {"knn": knn, "voc07_svm": voc07_svm, "linear": linear}[evaluator]
-    with pytest.raises(SystemExit) as stop:
-        module.main(common + argv[evaluator])
-    assert str(stop.value).startswith("error: --output-dir") and out in str(stop.value)
-    assert "\n" not in str(stop.value) and not extracted
+    return {"knn": knn, "voc07_svm": voc07_svm, "linear": linear}[evaluator], common + argv[evaluator]
 
 
 # ------------------------------------------------------------------------- progress and warnings
