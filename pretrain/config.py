@@ -93,7 +93,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
         # stop after the current step, saved, and exit 75 (docs/failsafe.md); [] keeps the default actions
         "preempt_signals": ["SIGTERM", "SIGUSR1"],
     },
-    "knn": {  # optional kNN monitor on a labelled ImageFolder, every `every_epochs` epochs
+    "knn": {  # optional kNN monitor on a labelled ImageFolder or its tar shards, every `every_epochs` epochs
         "train_dir": None,
         "val_dir": None,
         "every_epochs": 1,

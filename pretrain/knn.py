@@ -1,6 +1,7 @@
-"""The pretraining kNN monitor: features of a labelled ImageFolder extracted by every process (each
-a shard), then the vote of ``contrastive_transfer.contract.knn_vote`` (the one ``transfer.knn``
-uses): neighbour j votes for its class with weight exp(sim_j / t).
+"""The pretraining kNN monitor: features of a labelled ImageFolder (or its tar shards, as
+``data.root`` takes them) extracted by every process (each a shard), then the vote of
+``contrastive_transfer.contract.knn_vote`` (the one ``transfer.knn`` uses):
+neighbour j votes for its class with weight exp(sim_j / t).
 """
 
 from __future__ import annotations
@@ -12,21 +13,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
-from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from contrastive_transfer.cli import UserError
 from contrastive_transfer.contract import KNN_K, KNN_TEMPERATURE, knn_bank, knn_vote
-from contrastive_transfer.paths import scan_image_folder
+from contrastive_transfer.image_list import ImageList
 from contrastive_transfer.ranks import gather_in_order, shard_indices
-from pretrain.data import eval_transform
+from pretrain.data import eval_transform, scan_index
 
 
-class _ImageFolder(ImageFolder):
-    """torchvision's ImageFolder whose scan visits each directory once (no symbolic-link loop)."""
-
-    @staticmethod
-    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
-        return scan_image_folder(directory, class_to_idx, tuple(extensions or IMG_EXTENSIONS))
+def labelled_images(root: str, image_size: int) -> ImageList:
+    """The images of a class-folder tree or of its shards, through the same scan and gate as the
+    pretraining data (``scan_index``, ``open_rgb``): each directory visited once, every file and
+    member checked as it is read."""
+    index = scan_index(root)
+    if not index.classes:
+        raise UserError(f"kNN monitor: {root} holds no class folders (expected <class>/<image> for the kNN labels)")
+    return ImageList(index, eval_transform(image_size))
 
 
 @torch.no_grad()
@@ -45,7 +47,7 @@ def extract_features(
     With several processes each extracts every W-th batch (rank r: batches r, r+W, ...) and the
     shards are gathered back into the folder's order, so every process holds all N features in
     1/W of the time a single process would take, each image computed with the same batch mates."""
-    dataset = _ImageFolder(root, transform=eval_transform(image_size))
+    dataset = labelled_images(root, image_size)
     shard = Subset(dataset, shard_indices(len(dataset), batch_size))
     was_training = backbone.training
     backbone.eval()

@@ -54,7 +54,7 @@ from transfer.knn import topk_accuracy
 from transfer.probe_presets import PROBE_STATE, ProbeSettings
 
 if TYPE_CHECKING:
-    from transfer.datasets.readers import ImageList
+    from contrastive_transfer.image_list import ImageList
 
 logger = logging.getLogger(__name__)
 # The probe stops when a batch's loss exceeds this multiple of the first batch's: the lr is too large.

@@ -106,6 +106,32 @@ def test_knn_and_the_svm_give_the_folders_figures_from_shards(synthetic_root, sh
     assert maps["shards"] == maps["folder"] and maps["folder"] > 0
 
 
+def test_the_pretraining_knn_monitor_reads_shards_as_the_folder_through_the_gate(synthetic_root, sharded, tmp_path):
+    """The monitor's features from the shards are the folder's bit for bit (the same decode, order
+    and labels), its reads go through the gate (a FIFO named as an image is refused at once; the
+    control: the same tree without it reads), and a folder without classes is one line."""
+    from pretrain.knn import extract_features
+
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(num_classes=8).eval()
+    folder = extract_features(net, str(synthetic_root / "imagenet" / "val"), 32, torch.device("cpu"), batch_size=32)
+    shards = extract_features(net, str(sharded / "val"), 32, torch.device("cpu"), batch_size=32)
+    assert torch.equal(folder[0], shards[0]) and torch.equal(folder[1], shards[1]) and folder[2] == shards[2]
+
+    tree = tmp_path / "tree"
+    shutil.copytree(synthetic_root / "imagenet" / "val", tree)
+    assert len(extract_features(net, str(tree), 32, torch.device("cpu"))[1]) == 100  # the control
+    fifo = tree / folder[2][0] / "zz_fifo.jpg"  # torchvision's loader would wait on it for ever
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match=f"cannot read image {fifo}"):
+        extract_features(net, str(tree), 32, torch.device("cpu"))
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    shutil.copy(sorted((synthetic_root / "imagenet" / "val" / folder[2][0]).iterdir())[0], flat / "a.jpg")
+    with pytest.raises(UserError, match="holds no class folders"):
+        extract_features(net, str(flat), 32, torch.device("cpu"))
+
+
 # ------------------------------------------------------------------------------------ hostile shards
 
 

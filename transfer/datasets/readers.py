@@ -10,20 +10,17 @@ the ``<cls>_<split>.txt`` image labels), hence these few lines.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 
 from contrastive_transfer.cli import UserError
 from contrastive_transfer.file_index import FileIndex
-from contrastive_transfer.images import open_rgb
-from contrastive_transfer.members import Member
+from contrastive_transfer.image_list import ImageList
 from contrastive_transfer.paths import escapes, inside, read_text, scan_image_folder
 from contrastive_transfer.shards import index_shards, is_sharded, read_label_row
 
@@ -35,41 +32,6 @@ PLACES205_IMAGES = "data/vision/torralba/deeplearning/images256"
 
 class DatasetError(UserError, ValueError):
     """A dataset folder or file list that does not have the expected layout (one line)."""
-
-
-class ImageList(Dataset):
-    """Images read as RGB PIL images, passed through ``transform``; item = (image, label).
-
-    The list is a packed ``FileIndex`` (contrastive_transfer/file_index.py), as pretraining's: a
-    Places205 or ImageNet list is three numpy arrays, not millions of Python strings that every
-    DataLoader worker would copy page by page as it touches their reference counts
-    (benchmarks/file_index.md). Its entries are files, or members of tar shards
-    (contrastive_transfer/shards.py) read from their shard."""
-
-    def __init__(self, index: FileIndex, transform: object = None):
-        self.index = index
-        self.transform = transform
-        self.labels = index.labels.astype(np.int64)  # one array, shared with the workers as the index is
-
-    @property
-    def classes(self) -> list[str]:
-        return self.index.classes
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getitem__(self, i: int):
-        path, label = self.index[i]
-        image = open_rgb(path)  # OSError naming the file (or shard and member), decompression bombs included
-        return (self.transform(image) if self.transform is not None else image), label
-
-    def fingerprint(self) -> str:
-        """Identifies the list (paths, labels, file sizes) for feature caches."""
-        h = hashlib.sha256()
-        for p, y in self.index:
-            size = p.size if isinstance(p, Member) else os.path.getsize(p)
-            h.update(f"{p}\t{y}\t{size}\n".encode())
-        return h.hexdigest()
 
 
 def read_sharded(root: str | os.PathLike) -> ImageList | None:
