@@ -166,9 +166,10 @@ def _one_line_or_success(run, out: Path) -> str:
     return "ran"
 
 
-def _command(name, synthetic_root, weights):
+def _command(name, synthetic_root, weights, request):
     from converters import legacy_to_safe, to_detectron2, to_torchvision
-    from transfer import knn, linear
+    from pretrain.analysis.__main__ import main as analysis
+    from transfer import knn, linear, voc07_svm
 
     from .transfer.test_features_probes import probe_args
 
@@ -186,8 +187,52 @@ def _command(name, synthetic_root, weights):
         "pretrain": lambda out: _pretrain(synthetic_root, out),
         "legacy_to_safe": lambda out: legacy_to_safe.main([str(weights), str(out / "safe.pth"), "--i-trust-this-file"]),
         "curves": _curves,
+        "voc07_svm": lambda out: voc07_svm.main(
+            ["--weights", str(weights), "--voc-root", str(synthetic_root / "VOC2007"), "--output-dir", str(out)]
+            + ["--resize", "18", "--crop", "16", "--workers", "0", "--batch-size", "16", "--costs", "0.1,1"]
+        ),
+        "npc": lambda out: analysis(
+            ["npc", str(request.getfixturevalue("tiny_moco") / "checkpoint_final.pth"), "--out", str(out)]
+            + ["--data", str(imagenet / "train"), "--batch-sizes", "4", "--max-images", "8"]
+        ),
+        "negatives": lambda out: analysis(
+            ["negatives", str(request.getfixturevalue("tiny_moco")), "--queries", "8", "--out", str(out)]
+            + ["--data", str(imagenet / "train")]
+        ),
+        "benchmarks.learning": lambda out: _learning_plan(out, request),
+        "detection": lambda out: _detection(synthetic_root, weights, out),
     }
     return commands[name]
+
+
+def _learning_plan(out: Path, request) -> None:
+    """``benchmarks.learning --plan``: its table and chart from a runs file of one row (the
+    configs' hashes, half a second each with load_config, replaced by the row's)."""
+    from benchmarks import learning
+
+    from .test_bench_learning import _row
+
+    runs = request.getfixturevalue("tmp_path_factory").mktemp("runs") / "runs.jsonl"
+    learning.append_run(runs, {**_row("tiny_simclr", 70.0), "preset": "digits"})
+    request.getfixturevalue("monkeypatch").setattr(learning, "config_hash", lambda *a, **k: "abc")
+    learning.main(["--preset", "digits", "--plan", "--seeds", "1", "--runs", str(runs), "--out", str(out / "t.md")]
+                  + ["--work", str(out.parent / "work")])  # fmt: skip
+
+
+def _detection(synthetic_root: Path, weights: Path, out: Path) -> None:
+    """Two iterations of the tiny VOC detection config, then its evaluation."""
+    pytest.importorskip("detectron2")
+    from converters.to_detectron2 import convert
+    from transfer.detection.__main__ import main
+
+    pkl = weights.with_suffix(".pkl")
+    if not pkl.exists():
+        convert(weights, pkl)
+    main(
+        ["--config-file", str(REPO / "configs" / "detection" / "tiny_voc0712_R_18_FPN_syncbn.yaml")]
+        + ["--data-root", str(synthetic_root), "MODEL.WEIGHTS", str(pkl), "OUTPUT_DIR", str(out)]
+        + ["SOLVER.MAX_ITER", "2", "SOLVER.STEPS", "(1,)", "TEST.PRECISE_BN.ENABLED", "False"]
+    )
 
 
 def _curves(out: Path) -> None:
@@ -225,17 +270,21 @@ def weights(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(
     "name",
-    ["to_torchvision", "to_detectron2", "legacy_to_safe", "knn", "linear", "curves"]
-    + [pytest.param("pretrain", marks=pytest.mark.slow)],  # four tiny runs: ~40 s on two busy cores
+    ["to_torchvision", "to_detectron2", "legacy_to_safe", "knn", "linear", "curves", "voc07_svm", "npc"]
+    + ["negatives", "benchmarks.learning"]
+    + [pytest.param("pretrain", marks=pytest.mark.slow)]  # four tiny runs: ~40 s on two busy cores
+    + [pytest.param("detection", marks=pytest.mark.slow)],
 )
-def test_a_link_at_every_path_a_command_writes_changes_nothing_outside(name, synthetic_root, weights, tmp_path):
+def test_a_link_at_every_path_a_command_writes_changes_nothing_outside(
+    name, synthetic_root, weights, tmp_path, request
+):
     """The command is run once into a fresh folder to learn what it writes; then a fresh folder
     gets a link at each of those paths, to a file of its own outside, and the command runs there.
     Where it stops with one line naming a planted link (a finished output it will not replace, a
     log it will not adopt), that link is taken away and it runs again, until it runs through: then
     every link it wrote is its own file. At every step the files outside stay as they were. The
     control: a plain write through one of the links changes its file."""
-    run = _command(name, synthetic_root, weights)
+    run = _command(name, synthetic_root, weights, request)
     paths = _written(run, tmp_path / "first")
     assert paths, name
     outside = tmp_path / "outside"

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from pretrain.analysis import curves, negatives, npc
@@ -26,12 +25,9 @@ from pretrain.analysis.mi_toy import (
     sample_pairs,
 )
 from pretrain.augment import build_view_transforms
-from pretrain.config import load_config
 from pretrain.data import ImageDataset
-from pretrain.engine import train
 from pretrain.methods import METHODS
 
-RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -202,27 +198,6 @@ def test_curves_bad_line_names_file_and_line(tmp_path):
         curves.run(tmp_path)
     with pytest.raises(SystemExit, match="does not exist"):
         main(["curves", str(tmp_path / "missing")])
-
-
-# ------------------------------------------------------------------------------------ a tiny MoCo run
-@pytest.fixture(scope="module")
-def tiny_moco(synthetic_root, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny_moco")
-    # Smaller than the tiny recipe (16 px, batch 8, queue 64) to keep the module's tests quick.
-    cfg = load_config(
-        RECIPES / "tiny_mocov2.yaml",
-        [
-            f"data.root={synthetic_root / 'imagenet' / 'train'}",
-            f"train.output_dir={out}",
-            "train.max_steps=2",
-            "data.image_size=16",
-            "train.batch_size=8",
-            "method.queue_size=64",
-            "method.bn_splits=2",
-        ],
-    )
-    train(cfg, Accelerator(cpu=True))
-    return out
 
 
 def test_npc_matches_a_per_anchor_brute_force(tiny_moco, synthetic_root, tmp_path):
