@@ -41,8 +41,7 @@ WRITE_ALLOWED = {
         "folder, nothing from elsewhere"
     ),
     ("transfer/detection/trainer.py", "trainer.checkpointer.save"): (
-        "detectron2's checkpointer writes model_*.pth and last_checkpoint with its own open; a job does not "
-        "start while a link sits in OUTPUT_DIR (transfer.detection.run.refuse_links)"
+        "BackboneCheckingCheckpointer.save: model_*.pth and last_checkpoint through atomic_write"
     ),
 }
 

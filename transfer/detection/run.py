@@ -17,12 +17,14 @@ from pathlib import Path
 
 import torch
 from detectron2.config import CfgNode
-from detectron2.engine import default_setup, launch
+from detectron2.engine import launch
 from detectron2.utils import comm
+from detectron2.utils.collect_env import collect_env_info
+from detectron2.utils.env import seed_all_rng
 from detectron2.utils.logger import setup_logger
 from torch.multiprocessing.spawn import ProcessExitedException
 
-from contrastive_transfer.cli import OutputLock, UserError, write_json
+from contrastive_transfer.cli import OutputLock, UserError, open_append, write_json, write_text
 from contrastive_transfer.errors import ConfigError
 from contrastive_transfer.json_limits import read_json
 from contrastive_transfer.preempt import PREEMPTED_EXIT_CODE, Preempted
@@ -62,7 +64,42 @@ def _fresh_logging() -> None:
     # in one process would otherwise also log into the previous seed's log.txt.
     setup_logger.cache_clear()
     for name in ("detectron2", "fvcore", "d2"):
-        logging.getLogger(name).handlers.clear()
+        logger = logging.getLogger(name)
+        for handler in logger.handlers:
+            handler.close()  # a log file's handler closes its file; the console's leaves stdout open
+        logger.handlers.clear()
+
+
+class _LogFile(logging.StreamHandler):
+    """A handler writing to a log opened by ``open_append``, closing it when closed."""
+
+    def close(self) -> None:
+        self.stream.close()
+        super().close()
+
+
+def setup(cfg: CfgNode, args) -> None:
+    """detectron2's ``default_setup`` with its two files written by the project's writer: it opens
+    ``log.txt`` (``log.txt.rank<r>`` beside it) and ``config.yaml`` with PathManager, which
+    follows a link planted there; here the log is ``open_append``'s (a link: one line naming it)
+    and the config ``write_text``'s (a link is replaced)."""
+    out, rank = Path(cfg.OUTPUT_DIR), comm.get_rank()
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = _LogFile(open_append(out / ("log.txt" if rank == 0 else f"log.txt.rank{rank}")))
+    log_file.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s", "%m/%d %H:%M:%S"))
+    for name in ("fvcore", "detectron2"):
+        setup_logger(None, distributed_rank=rank, name=name).addHandler(log_file)
+    log = logging.getLogger("detectron2")
+    log.info(f"Rank of current process: {rank}. World size: {comm.get_world_size()}")
+    log.info("Environment info:\n" + collect_env_info())
+    log.info(f"Command line arguments: {args}")
+    log.info(f"Running with full config:\n{cfg.dump()}")
+    if comm.is_main_process():
+        write_text(out / "config.yaml", cfg.dump())
+        log.info(f"Full config saved to {out / 'config.yaml'}")
+    seed_all_rng(None if cfg.SEED < 0 else cfg.SEED + rank)
+    if not args.eval_only:  # detectron2's choice: benchmarking costs more than it saves on small test sets
+        torch.backends.cudnn.benchmark = cfg.CUDNN_BENCHMARK
 
 
 def worker(cfg: CfgNode, notes: list[str], args, skip_if_done: bool = False) -> None:
@@ -72,7 +109,7 @@ def worker(cfg: CfgNode, notes: list[str], args, skip_if_done: bool = False) -> 
         return
     register_datasets(args.data_root)
     _fresh_logging()
-    default_setup(cfg, args)
+    setup(cfg, args)
     log = logging.getLogger("detectron2")
     for note in notes:
         log.warning(f"notice: {note}")
@@ -204,18 +241,13 @@ def run(args) -> dict:
 FINISHED = ("metrics.json", "model_final.pth")  # what a finished seed leaves in its folder
 
 
-def refuse_links(folder: Path) -> None:
-    """detectron2 writes its files (checkpoints, ``last_checkpoint``, logs, events) with its own
-    ``open``, which follows links: so a job does not start while a symbolic link sits in its
-    output folder (one planted in a shared folder would send a write outside it)."""
-    if not folder.is_dir():
-        return
-    for entry in os.scandir(folder):
-        if entry.is_symlink():
-            raise UserError(
-                f"{entry.path} is a symbolic link: detectron2 writes into OUTPUT_DIR by following links, so the job "
-                "does not start; remove it"
-            )
+def refuse_linked_folder(folder: Path) -> None:
+    """Every file a run writes in its folder goes through the project's writer (a link at one is
+    replaced, or one line for a log) but detectron2's TensorBoard events, named by time, host
+    and pid; a seed's folder that is itself a symbolic link would send them all outside, so the
+    job does not start."""
+    if folder.is_symlink():
+        raise UserError(f"{folder} is a symbolic link, expected a seed's folder: not followed; remove it")
 
 
 def refuse_replacing_finished(out: Path, seeds: list[int], resume: bool) -> None:
@@ -225,8 +257,9 @@ def refuse_replacing_finished(out: Path, seeds: list[int], resume: bool) -> None
     of its last checkpoint (``last_checkpoint``, what the resume continues from) or its
     ``metrics.json`` (a finished seed, skipped), else the seed would start afresh over it."""
     folders = [out] + ([out / f"seed_{seed}" for seed in seeds] if len(seeds) > 1 else [])
+    for folder in folders[1:]:
+        refuse_linked_folder(folder)
     for folder in folders:
-        refuse_links(folder)
         found = [folder / name for name in FINISHED if os.path.lexists(folder / name)]
         if not found:
             continue

@@ -16,7 +16,7 @@ from detectron2.evaluation import COCOEvaluator, PascalVOCDetectionEvaluator
 from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
-from contrastive_transfer.cli import QuietInputErrors, UserError
+from contrastive_transfer.cli import QuietInputErrors, UserError, atomic_write, open_append, write_text
 from contrastive_transfer.images import check_image, decoding
 from contrastive_transfer.preempt import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, Preempted, PreemptSignals
 from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
@@ -36,7 +36,10 @@ _BODY_KEY = re.compile(r"(^|\.)(stem\.|res[2-5]\.\d+\.)")
 _HAS_C_EXTENSION = importlib.util.find_spec("detectron2._C") is not None
 
 EVALUATORS = {
-    "coco": lambda name, out: COCOEvaluator(name, output_dir=out, use_fast_impl=_HAS_C_EXTENSION),
+    # no output_dir: the COCO evaluator would write its predictions (instances_predictions.pth,
+    # coco_instances_results.json, read by nothing here) with PathManager.open, through any link
+    # planted there; it needs the folder only for a dataset without a json_file, and ours have one
+    "coco": lambda name, out: COCOEvaluator(name, output_dir=None, use_fast_impl=_HAS_C_EXTENSION),
     "pascal_voc": lambda name, out: PascalVOCDetectionEvaluator(name),
 }
 
@@ -80,6 +83,22 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
 
     def _torch_load(self, f):
         return load_weights_file(f)
+
+    # fvcore writes the checkpoint and its tag with PathManager.open, which follows a link planted
+    # at model_*.pth or last_checkpoint: both go through the project's writer, which replaces it.
+    def save(self, name: str, **kwargs) -> None:
+        if not self.save_dir or not self.save_to_disk:
+            return
+        data = {"model": self.model.state_dict(), **{k: c.state_dict() for k, c in self.checkpointables.items()}}
+        data.update(kwargs)
+        basename = f"{name}.pth"
+        path = os.path.join(self.save_dir, basename)
+        self.logger.info(f"Saving checkpoint to {path}")
+        atomic_write(path, lambda f: torch.save(data, f))
+        self.tag_last_checkpoint(basename)
+
+    def tag_last_checkpoint(self, last_filename_basename: str) -> None:
+        write_text(os.path.join(self.save_dir, "last_checkpoint"), last_filename_basename)
 
     def _load_model(self, checkpoint):
         incompatible = super()._load_model(checkpoint)
@@ -155,6 +174,16 @@ class ImageCheckingMapper(DatasetMapper):
             return super().__call__(dataset_dict)
 
 
+class OwnJSONWriter(JSONWriter):
+    """detectron2's JSONWriter, its log opened by ``open_append`` (never through a link: one line
+    naming it) instead of PathManager's ``open``, which follows one."""
+
+    def __init__(self, json_file: str, window_size: int = 20):
+        self._file_handle = open_append(json_file)
+        self._window_size = window_size
+        self._last_write = -1
+
+
 class Trainer(DefaultTrainer):
     def __init__(self, cfg):
         # DefaultTrainer.__init__, except for two lines: DDP gets `device_ids` only for a CUDA
@@ -205,6 +234,6 @@ class Trainer(DefaultTrainer):
         # final-results file, so the training log is training_metrics.json.
         return [
             CommonMetricPrinter(self.max_iter),
-            JSONWriter(os.path.join(self.cfg.OUTPUT_DIR, "training_metrics.json")),
+            OwnJSONWriter(os.path.join(self.cfg.OUTPUT_DIR, "training_metrics.json")),
             TensorboardXWriter(self.cfg.OUTPUT_DIR),
         ]
