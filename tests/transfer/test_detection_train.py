@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,40 @@ def test_tiny_fpn_fine_tuning_beats_the_untrained_model(name, training_runs, syn
     assert any("SyncBN -> BN" in n for n in after["notices"])
     # evaluation ran after the final checkpoint; detectron2's per-iteration log kept apart
     assert (out / "model_final.pth").is_file() and (out / "training_metrics.json").is_file()
+
+
+def test_resume_from_a_file_that_is_no_checkpoint_is_one_line_naming_it(synthetic_root, resnet18_pkl, tmp_path):
+    """``--resume`` over an OUTPUT_DIR whose ``last_checkpoint`` names a ``model_*.pth`` that is not
+    a checkpoint of this run (random bytes, a list, a model that is no dict, an optimizer's state
+    of another shape) or names no file there: one line naming the file and what was expected
+    (before: AttributeError, IndexError or fvcore's assert, with their tracebacks). The control:
+    the run's own checkpoint, put back, resumes and finishes."""
+
+    def argv(*flags):
+        overrides = ["SOLVER.MAX_ITER", "2", "SOLVER.STEPS", "(1,)", "TEST.PRECISE_BN.ENABLED", "False"]
+        return _cli(RUNS["voc"][0], synthetic_root, tmp_path, resnet18_pkl, *flags, overrides=overrides)
+
+    main(argv())
+    final = tmp_path / "model_final.pth"
+    real = torch.load(final, weights_only=False)
+    bad = {
+        "random bytes": lambda: final.write_bytes(random.Random(0).randbytes(4096)),
+        "a list": lambda: torch.save([torch.zeros(2)], final),
+        "a model that is no dict": lambda: torch.save({**real, "model": 3}, final),
+        "another optimizer's state": lambda: torch.save(
+            {**real, "trainer": {**real["trainer"], "_trainer": {"iteration": 1, "optimizer": {"state": {}}}}}, final
+        ),
+    }
+    for what, plant in bad.items():
+        plant()
+        with pytest.raises(SystemExit) as stop:
+            main(argv("--resume"))
+        message = str(stop.value.code)
+        assert message.startswith("error: ") and str(final) in message and "\n" not in message, (what, message)
+    torch.save(real, final)
+    (tmp_path / "last_checkpoint").write_text("model_gone.pth")
+    with pytest.raises(SystemExit, match=r"last_checkpoint: names 'model_gone\.pth', expected the name of a"):
+        main(argv("--resume"))
+    (tmp_path / "last_checkpoint").write_text("model_final.pth")
+    assert main(argv("--resume"))["results"]["voc_2007_test"]["bbox"]  # the control: resumed at its end, evaluated
+    assert "Starting training from iteration 2" in (tmp_path / "log.txt").read_text()

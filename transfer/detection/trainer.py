@@ -16,10 +16,11 @@ from detectron2.evaluation import COCOEvaluator, PascalVOCDetectionEvaluator
 from detectron2.utils import comm
 from detectron2.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
-from contrastive_transfer.cli import QuietInputErrors, UserError, atomic_write, open_append, write_text
+from contrastive_transfer.cli import QuietInputErrors, UserError, atomic_write, describe, open_append, write_text
 from contrastive_transfer.images import check_image, decoding
 from contrastive_transfer.preempt import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, Preempted, PreemptSignals
 from contrastive_transfer.safe_load import UnsafeFileError, load_weights_file
+from contrastive_transfer.untrusted import read_untrusted
 
 logger = logging.getLogger("detectron2")
 # detectron2's training loop logs "Exception during training:" with the traceback of whatever stops
@@ -58,6 +59,34 @@ class BackboneCheckingCheckpointer(DetectionCheckpointer):
     (prefix not stripped, wrong depth, small stem, ...): detectron2 itself only logs those as
     "not found in checkpoint" and trains on from random weights. New layers (FPN, RPN, box
     head, extra norm) are expected to be missing."""
+
+    def load(self, path, *args, **kwargs):
+        """A file of another shape (a list, a model that is no dict of tensors, a trainer's or
+        optimizer's state that is not this run's) is one line naming it: detectron2 and torch end
+        in an AttributeError, IndexError, KeyError or TypeError on it."""
+        try:
+            return super().load(path, *args, **kwargs)
+        except UserError:
+            raise
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+            raise UserError(
+                f"{path}: not a checkpoint this model loads ({describe(e)}); expected a dict whose 'model' maps "
+                "tensor names to tensors and, to resume, the optimizer's, scheduler's and trainer's states a run of "
+                "this config saves; remove it and last_checkpoint to start afresh"
+            ) from e
+
+    def get_checkpoint_file(self) -> str:
+        """What ``--resume`` continues from: ``last_checkpoint`` read through the gate, the name of a
+        file in this folder (fvcore joins whatever it holds to the folder and asserts that it exists)."""
+        tag = os.path.join(self.save_dir, "last_checkpoint")
+        name = read_untrusted(tag, "config").decode("utf-8", errors="replace").strip()
+        path = os.path.join(self.save_dir, name)
+        if not name or os.path.basename(name) != name or not os.path.isfile(path):
+            raise UserError(
+                f"{tag}: names {name[:200]!r}, expected the name of a checkpoint file in its folder; "
+                "remove it (and the run's model_*.pth) to start afresh"
+            )
+        return path
 
     def _load_file(self, filename):
         # detectron2 unpickles .pkl files with plain pickle (detectron2#5456) and leaves torch.load's
