@@ -300,6 +300,27 @@ def test_a_finished_run_is_never_replaced_by_a_job_that_does_not_continue_it(
     _fails(argv(converted[50][1]), r"backbone tensors unloaded")  # the control: an empty folder runs
 
 
+def test_a_seed_folder_that_is_a_link_is_refused_before_anything_starts(tmp_path):
+    """Every file a detection run writes goes through the project's writer (tests/test_one_writer.py
+    plants a link at each) but detectron2's TensorBoard events, named by time: a seed's folder
+    that is itself a symbolic link would send them (and the seed's every file) outside, so the job
+    is one line naming it. The control: a real folder passes, a link at a file in it too (the
+    writer replaces it)."""
+    from contrastive_transfer.cli import UserError
+    from transfer.detection.run import refuse_replacing_finished
+
+    elsewhere, seed = tmp_path / "elsewhere", tmp_path / "out" / "seed_1"
+    elsewhere.mkdir()
+    seed.parent.mkdir()
+    seed.symlink_to(elsewhere)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(seed))} is a symbolic link, expected a seed's folder"):
+        refuse_replacing_finished(seed.parent, [0, 1], resume=False)
+    seed.unlink()
+    seed.mkdir()
+    (seed / "log.txt").symlink_to(elsewhere / "log.txt")
+    refuse_replacing_finished(seed.parent, [0, 1], resume=False)
+
+
 def test_a_seeds_metrics_are_read_through_the_gate_and_checked(tmp_path):
     """``--resume`` reads a finished seed's metrics.json back (a shared folder may hold anything):
     through the gate and the JSON limits, then its shape, one line naming the file for a list, a
