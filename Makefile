@@ -31,18 +31,22 @@ $(STAMP): pyproject.toml tools/setup_env.sh tools/install_detectron2_pypi.py
 demo: setup
 	$(PY) tools/demo.py --data $(DATA_DIR) --preset $(PRESET) --seed $(SEED) --recipe $(RECIPE) $(if $(FRESH),--fresh)
 
-# One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores.
+# One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores; two
+# pytest-xdist workers use both (TEST_WORKERS=0: one process). A module's tests, and the users of a
+# costly shared fixture, stay on one worker (tests/conftest.py), so nothing is built twice.
+TEST_WORKERS ?= 2
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 test: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not sweep"
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not sweep" $(PARALLEL)
 
 # The suite without the tests marked `slow` (brief pretraining, detection training, the demo).
 test-fast: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow and not sweep"
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow and not sweep" $(PARALLEL)
 
 # Every hostile mutant through every command line that reads its kind (tests/test_hostile_files.py);
 # `make test` runs a seeded sample of them (HOSTILE_SEED, HOSTILE_SAMPLE choose it).
 test-sweep: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m sweep -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m sweep -q $(PARALLEL)
 
 # The fast suite with PyTorch's other CPU kernels (ATEN_CPU_CAPABILITY): what another x86 CPU would
 # run. CI runs CAPABILITIES=default after `make test`; `make test-capabilities` alone runs all three.
@@ -50,7 +54,7 @@ CAPABILITIES ?= default avx2 avx512
 test-capabilities: setup
 	@for c in $(CAPABILITIES); do \
 	  echo "==> ATEN_CPU_CAPABILITY=$$c"; \
-	  ATEN_CPU_CAPABILITY=$$c OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow and not sweep" -q || exit 1; \
+	  ATEN_CPU_CAPABILITY=$$c OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not slow and not sweep" -q $(PARALLEL) || exit 1; \
 	done
 
 # ruff (lint, import order, format) on the whole tree, mypy on the converters, the methods, the losses and the CLI helpers.
