@@ -32,10 +32,11 @@ demo: setup
 	$(PY) tools/demo.py --data $(DATA_DIR) --preset $(PRESET) --seed $(SEED) --recipe $(RECIPE) $(if $(FRESH),--fresh)
 
 # One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores; two
-# pytest-xdist workers use both (TEST_WORKERS=0: one process). A module's tests, and the users of a
-# costly shared fixture, stay on one worker (tests/conftest.py), so nothing is built twice.
+# pytest-xdist workers use both (TEST_WORKERS=0: one process). A module's tests stay on one worker
+# (--dist loadfile), so its module fixtures (the multi-process runs, the detection trainings) are
+# built once; a session fixture is built once per worker.
 TEST_WORKERS ?= 2
-PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m "not sweep" $(PARALLEL)
 

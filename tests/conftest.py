@@ -15,20 +15,6 @@ from contrastive_transfer.synthetic import PRESETS, generate, write_imagenet
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Session fixtures too costly to build twice: under pytest-xdist (`make test` runs two workers)
-# every test that uses one goes to the same worker.
-SHARED_ONCE = ("brief_pretraining",)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
-def pytest_collection_modifyitems(items) -> None:
-    """Groups for ``--dist loadgroup``: a module's tests stay on one worker (its module-scoped
-    fixtures, e.g. the multi-process runs, are built once), and the users of a ``SHARED_ONCE``
-    fixture share one worker whatever their module. Without xdist the marks change nothing."""
-    for item in items:
-        shared = [name for name in SHARED_ONCE if name in getattr(item, "fixturenames", ())]
-        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.module.__name__))
-
 
 @pytest.fixture(scope="session")
 def synthetic_root(tmp_path_factory) -> Path:
