@@ -140,7 +140,14 @@ def test_a_forked_child_releasing_its_copy_does_not_close_the_childs_own_lock(tm
             if pid == 0:  # the child: exit 0 when its own lock survives
                 code = 2
                 try:
+                    # The lowest free number goes to the next open: fill the free numbers below the
+                    # dropped one (a pytest-xdist worker leaves gaps) so that the child's lock gets it.
+                    while (filler := os.open(os.devnull, os.O_RDONLY)) < parent._fd:
+                        pass
+                    os.close(filler)
                     own = OutputLock(tmp_path / "b").acquire()
+                    if own._fd != parent._fd:
+                        os._exit(3)  # the setup failed, not the lock
                     os.close(parent._fd) if control else parent.release()
                     try:
                         OutputLock(tmp_path / "b").acquire()
