@@ -32,9 +32,9 @@ demo: setup
 	$(PY) tools/demo.py --data $(DATA_DIR) --preset $(PRESET) --seed $(SEED) --recipe $(RECIPE) $(if $(FRESH),--fresh)
 
 # One thread per torch process keeps multi-process tests from oversubscribing the 2 CI cores; two
-# pytest-xdist workers use both (TEST_WORKERS=0: one process). A module's tests stay on one worker
-# (--dist loadfile), so its module fixtures (the multi-process runs, the detection trainings) are
-# built once; a session fixture is built once per worker.
+# pytest-xdist workers use both (TEST_WORKERS=0: one process). With --dist loadfile, tests/conftest.py
+# schedules whole modules, the costliest first, and keeps the users of the brief pretraining on one
+# worker: module fixtures (the multi-process runs, the detection trainings) are built once.
 TEST_WORKERS ?= 2
 PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: setup

@@ -159,13 +159,13 @@ def report(m: dict) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=4000)
     p.add_argument("--side", type=int, default=320)
     p.add_argument("--shard-size", type=int, default=500)
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("shards.md"))
-    a = p.parse_args()
+    a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         text = report(measure(a.images, a.side, a.shard_size, Path(tmp)))
     write_text(a.out, text)

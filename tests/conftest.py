@@ -15,6 +15,52 @@ from contrastive_transfer.synthetic import PRESETS, generate, write_imagenet
 
 REPO = Path(__file__).resolve().parents[1]
 
+# ------------------------------------------------------------------ the suite on two workers
+# `make test` runs two pytest-xdist workers. A module's tests share a worker (its module fixtures,
+# e.g. the multi-process runs and the detection trainings, are built once), and the modules using
+# a session fixture too costly to build twice share one whatever their module. xdist's own
+# `--dist loadgroup` would do the latter from xdist_group marks, but with pytest 9 it groups
+# nothing (it renames `item._nodeid`, which pytest 9 no longer reads): hence this scheduler.
+# The controller sees only test ids, so the modules are named here; collection checks the list.
+SHARED_WORKER = {
+    "brief_pretraining": (
+        "tests/pretrain/test_learning.py",
+        "tests/transfer/test_pretrained_beats_random.py",
+        "tests/transfer/test_probe_scale.py",
+    ),
+}
+_GROUP_OF_MODULE = {module: fixture for fixture, modules in SHARED_WORKER.items() for module in modules}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Work units of whole modules (or ``SHARED_WORKER`` groups), handed out in collection order."""
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler for the other modes
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return _GROUP_OF_MODULE.get(module, module)
+
+    # xdist's default hands out the units with the most tests first; collection order instead,
+    # which puts the costliest units first (below), so that none of them ends the run alone
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Costly units first (a stable sort keeps each module's own order); a module using a
+    ``SHARED_WORKER`` fixture that is not listed there is a usage error, not a silent rebuild."""
+    for item in items:
+        module = Path(str(item.path)).relative_to(REPO).as_posix() if item.path.is_relative_to(REPO) else ""
+        for fixture in SHARED_WORKER:
+            if fixture in getattr(item, "fixturenames", ()) and module not in SHARED_WORKER[fixture]:
+                raise pytest.UsageError(f"{module} uses {fixture}: add it to SHARED_WORKER in tests/conftest.py")
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
+    shared = {item.module for item in items if any(f in getattr(item, "fixturenames", ()) for f in SHARED_WORKER)}
+    items.sort(key=lambda item: 0 if item.module in shared else 1 if item.module in slow_modules else 2)
+
 
 @pytest.fixture(scope="session")
 def synthetic_root(tmp_path_factory) -> Path:

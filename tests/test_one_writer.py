@@ -166,9 +166,12 @@ def _one_line_or_success(run, out: Path) -> str:
 
 
 def _command(name, synthetic_root, weights, request):
+    from benchmarks import knn_scale
+    from benchmarks import shards as bench_shards
+    from contrastive_transfer.synthetic.generate import main as synthetic
     from converters import legacy_to_safe, to_detectron2, to_torchvision
     from pretrain.analysis.__main__ import main as analysis
-    from transfer import knn, linear, voc07_svm
+    from transfer import knn, linear, shards, voc07_svm
 
     from .transfer.test_features_probes import probe_args
 
@@ -199,6 +202,15 @@ def _command(name, synthetic_root, weights, request):
             + ["--data", str(imagenet / "train")]
         ),
         "benchmarks.learning": lambda out: _learning_plan(out, request),
+        "shards": lambda out: shards.main([str(imagenet / "train"), str(out), "--shard-size", "40"]),
+        "synthetic": lambda out: synthetic(["--out", str(out), "--preset", "tiny", "--workers", "1", "--force"]),
+        "benchmarks.knn_scale": lambda out: knn_scale.main(
+            ["--banks", "300", "--queries", "20", "--dim", "16", "--check", "3", "--device", "cpu"]
+            + ["--out", str(out / "knn_scale.md")]
+        ),
+        "benchmarks.shards": lambda out: bench_shards.main(
+            ["--images", "12", "--side", "16", "--shard-size", "5", "--out", str(out / "shards.md")]
+        ),
         "detection": lambda out: _detection(synthetic_root, weights, out),
     }
     return commands[name]
@@ -270,7 +282,7 @@ def weights(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "name",
     ["to_torchvision", "to_detectron2", "legacy_to_safe", "knn", "linear", "curves", "voc07_svm", "npc"]
-    + ["negatives", "benchmarks.learning"]
+    + ["negatives", "benchmarks.learning", "shards", "synthetic", "benchmarks.knn_scale", "benchmarks.shards"]
     + [pytest.param("pretrain", marks=pytest.mark.slow)]  # four tiny runs: ~40 s on two busy cores
     + [pytest.param("detection", marks=pytest.mark.slow)],
 )
