@@ -18,7 +18,7 @@ MARGIN = 5.0  # points of top-1 on 300 val images (10 classes, chance 10 %)
 def _knn(checkpoint, data) -> float:
     net = build_resnet(load_backbone(checkpoint))
     return knn_accuracy(
-        net, str(data["train_dir"]), str(data["val_dir"]), 64, torch.device("cpu"), k=20
+        net, str(data["train_dir"]), str(data["val_dir"]), data["image_size"], torch.device("cpu"), k=20
     )  # τ: the monitor's default
 
 
@@ -30,7 +30,7 @@ def test_brief_pretraining_beats_its_random_init_in_knn(brief_pretraining, capsy
     monitor = [row["knn_top1"] for row in brief_pretraining["metrics"] if "knn_top1" in row]
     with capsys.disabled():
         print(
-            f"\nkNN top-1 (k 20, t {KNN_TEMPERATURE}, 64 px): random init {init:.1f} %, "
+            f"\nkNN top-1 (k 20, t {KNN_TEMPERATURE}, {brief_pretraining['image_size']} px): random init {init:.1f} %, "
             f"after pretraining {pretrained:.1f} % "
             f"(engine's kNN monitor: {monitor[-1]:.1f} %)"
         )
