@@ -81,6 +81,7 @@ class Budget:
     pretrain: tuple[str, ...] = ()
     detection: tuple[str, ...] = ()  # transfer.detection KEY VALUE options of the data
     classify_size: tuple[int, int] = (73, 64)
+    svm_size: tuple[int, int] = (146, 128)  # resize, crop: the VOC07 SVM's warp
     data_name: str = "the synthetic `{preset}` data"
 
 
@@ -89,8 +90,12 @@ BUDGETS = {
     # init's kNN after 2 epochs and 20 points above it after 6). 600 detection iterations: the
     # frozen-backbone gain is 4.7 AP50 there (7 standard errors) and 2.3 at 400 (DETECTION_NOTE).
     "small": Budget(pretrain_epochs=6, probe_epochs=10, detection_iters=600, detection_seeds=2),
-    # A smoke run of every stage (the test suite's): one pretraining epoch, three SVM costs.
-    "tiny": Budget(1, 2, 20, 2, svm=("--costs", "0.1,1,10")),
+    # A smoke run of every stage (the test suite's): one pretraining epoch at 32 px, every
+    # evaluation at 32 px, four detection iterations, three SVM costs.
+    "tiny": Budget(
+        1, 2, 4, 2, svm=("--costs", "0.1,1,10"), pretrain=("data.image_size=32",), classify_size=(36, 32),
+        svm_size=(36, 32),
+    ),
     # The real digits (40-px images, the digit placed at random): the digits augmentation at 32 px,
     # the learning table's digits budget (benchmarks/learning.py, DIGITS_EPOCHS).
     "digits": Budget(
@@ -247,7 +252,7 @@ def evaluation_stages(name: str, weights: Path, needs: tuple[str, ...], paths: d
         ], needs),
         Stage(f"{name}-voc07-svm", d / "voc07_svm" / "metrics.json", [
             py, "-m", "transfer.voc07_svm", *weights_arg, "--voc-root", str(data / "VOC2007"),
-            "--resize", "146", "--crop", "128", *budget.svm, "--output-dir", str(d / "voc07_svm"),
+            "--resize", str(budget.svm_size[0]), "--crop", str(budget.svm_size[1]), *budget.svm, "--output-dir", str(d / "voc07_svm"),
         ], needs),
         # The bn preset: BN without affine before the fc, so one lr fits every backbone's feature
         # scale (the moco preset's lr 30 on raw features diverges on some of these backbones).
@@ -368,7 +373,7 @@ def svm_chance(out: Path) -> str:
 def budgets(budget: Budget, seed: int, chance: str = "") -> dict[str, str]:
     return {
         "kNN top-1 (%)": f"k 20, τ 0.07, {budget.classify_size[1]} px center crop; deterministic",
-        "VOC07 SVM mAP (%)": f"res5avg, 128 px; deterministic{chance}",
+        "VOC07 SVM mAP (%)": f"res5avg, {budget.svm_size[1]} px; deterministic{chance}",
         "linear probe top-1 (%)": f"bn preset, {budget.probe_epochs} epochs, seed {seed}",
         "FPN AP50 on VOC07 test": f"backbone frozen, {budget.detection_iters} iterations × 2 images, mean ± "
         f"std of {budget.detection_seeds} fine-tune seeds",
