@@ -141,7 +141,7 @@ def test_a_wrong_type_at_any_level_of_a_recipe_is_one_line(valid_recipe, tmp_pat
     assert _check_wrong_types(valid_recipe, tmp_path, per_key=1, seed=SEED) > 50
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # every key and kind; `make test` runs the seeded sample above
 def test_every_wrong_type_at_every_level_of_a_recipe_is_one_line(valid_recipe, tmp_path):
     assert _check_wrong_types(valid_recipe, tmp_path, per_key=len(KINDS), seed=SEED + 1) > 250
 
@@ -514,7 +514,7 @@ def test_a_wrong_type_at_any_level_of_a_detection_config_is_one_line(detection, 
         get_cfg().merge_from_file(str(config), allow_unsafe=False)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # every key and kind; `make test` runs the seeded sample above
 def test_every_wrong_type_at_every_level_of_a_detection_config_is_one_line(detection, tmp_path):
     build_config, _ = detection
     assert _check_detection_wrong_types(build_config, tmp_path, None, SEED) > 1000
