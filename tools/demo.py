@@ -92,10 +92,7 @@ BUDGETS = {
     "small": Budget(pretrain_epochs=6, probe_epochs=10, detection_iters=600, detection_seeds=2),
     # A smoke run of every stage (the test suite's): one pretraining epoch at 32 px, every
     # evaluation at 32 px, four detection iterations, three SVM costs.
-    "tiny": Budget(
-        1, 2, 4, 2, svm=("--costs", "0.1,1,10"), pretrain=("data.image_size=32",), classify_size=(36, 32),
-        svm_size=(36, 32),
-    ),
+    "tiny": Budget(1, 2, 4, 2, ("--costs", "0.1,1,10"), ("data.image_size=32",), (), (36, 32), (36, 32)),
     # The real digits (40-px images, the digit placed at random): the digits augmentation at 32 px,
     # the learning table's digits budget (benchmarks/learning.py, DIGITS_EPOCHS).
     "digits": Budget(
@@ -252,7 +249,8 @@ def evaluation_stages(name: str, weights: Path, needs: tuple[str, ...], paths: d
         ], needs),
         Stage(f"{name}-voc07-svm", d / "voc07_svm" / "metrics.json", [
             py, "-m", "transfer.voc07_svm", *weights_arg, "--voc-root", str(data / "VOC2007"),
-            "--resize", str(budget.svm_size[0]), "--crop", str(budget.svm_size[1]), *budget.svm, "--output-dir", str(d / "voc07_svm"),
+            "--resize", str(budget.svm_size[0]), "--crop", str(budget.svm_size[1]), *budget.svm,
+            "--output-dir", str(d / "voc07_svm"),
         ], needs),
         # The bn preset: BN without affine before the fc, so one lr fits every backbone's feature
         # scale (the moco preset's lr 30 on raw features diverges on some of these backbones).
