@@ -50,16 +50,18 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Costly units first (a stable sort keeps each module's own order); a module using a
-    ``SHARED_WORKER`` fixture that is not listed there is a usage error, not a silent rebuild."""
+    """Costly units first: the modules of a ``SHARED_WORKER`` fixture, then the modules with slow
+    tests (a stable sort keeps each module's own order). A module using such a fixture that is not
+    listed there is a usage error, not a silent rebuild on the other worker."""
+    rank: dict[str, int] = {}
     for item in items:
-        module = Path(str(item.path)).relative_to(REPO).as_posix() if item.path.is_relative_to(REPO) else ""
-        for fixture in SHARED_WORKER:
-            if fixture in getattr(item, "fixturenames", ()) and module not in SHARED_WORKER[fixture]:
+        module = item.path.relative_to(REPO).as_posix()
+        uses = [fixture for fixture in SHARED_WORKER if fixture in getattr(item, "fixturenames", ())]
+        for fixture in uses:
+            if module not in SHARED_WORKER[fixture]:
                 raise pytest.UsageError(f"{module} uses {fixture}: add it to SHARED_WORKER in tests/conftest.py")
-    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
-    shared = {item.module for item in items if any(f in getattr(item, "fixturenames", ()) for f in SHARED_WORKER)}
-    items.sort(key=lambda item: 0 if item.module in shared else 1 if item.module in slow_modules else 2)
+        rank[module] = min(rank.get(module, 2), 0 if uses else 1 if item.get_closest_marker("slow") else 2)
+    items.sort(key=lambda item: rank[item.path.relative_to(REPO).as_posix()])
 
 
 @pytest.fixture(scope="session")

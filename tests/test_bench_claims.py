@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -17,6 +16,8 @@ from omegaconf import OmegaConf
 
 from benchmarks import claims as bench
 from pretrain.config import load_config
+
+from .test_bench_learning import started_run
 
 
 @pytest.fixture(autouse=True)
@@ -217,13 +218,7 @@ def test_sigterm_stops_the_run_in_progress_and_keeps_every_line(tmp_path):
         f"'--work', {str(tmp_path / 'work')!r}, '--seeds', '0', '--extra-seeds', ''])",
     ])  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", parent], cwd=bench.ROOT)
-    # a generous start-up: two Pythons importing torch on cores busy with the rest of the suite
-    # took over a minute once (a fresh clone's suite beside the sweep)
-    deadline = time.time() + 600
-    while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    assert pid_file.is_file() and pid_file.read_text(), f"the benchmark's run did not start (exit {proc.poll()})"
-    run = psutil.Process(int(pid_file.read_text()))
+    run = started_run(pid_file, proc)
     assert run.is_running()  # control: the benchmark's run is live before the signal
     proc.terminate()
     assert proc.wait(timeout=60) != 0

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -40,6 +41,16 @@ def _row(recipe: str, knn: float, seed: int = 0) -> dict:
         "config_hash": "abc",
         "git_sha": "def" if seed < 2 else "0a1",  # a third seed measured at a later commit
     }
+
+
+def started_run(pid_file: Path, parent: subprocess.Popen) -> psutil.Process:
+    """The benchmark's run, once it has written its pid. A generous start-up: two Pythons importing
+    torch on cores busy with the rest of the suite took over a minute once (beside the sweep)."""
+    deadline = time.time() + 600
+    while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline and parent.poll() is None:
+        time.sleep(0.1)
+    assert pid_file.is_file() and pid_file.read_text(), f"the benchmark's run did not start (exit {parent.poll()})"
+    return psutil.Process(int(pid_file.read_text()))
 
 
 def test_rows_are_kept_unless_fresh_and_the_table_lists_every_recipe(tmp_path, monkeypatch):
@@ -158,13 +169,7 @@ def test_a_benchmark_stopped_with_sigterm_stops_the_run_it_started(tmp_path):
         f"run_logged([sys.executable, '-c', {child_code!r}], Path({str(tmp_path / 'run.log')!r}))"
     )
     parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=learning.ROOT)
-    # a generous start-up: two Pythons importing torch on cores busy with the rest of the suite
-    # took over a minute once (a fresh clone's suite beside the sweep)
-    deadline = time.time() + 600
-    while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline and parent.poll() is None:
-        time.sleep(0.1)
-    assert pid_file.is_file() and pid_file.read_text(), f"the benchmark's run did not start (exit {parent.poll()})"
-    child = psutil.Process(int(pid_file.read_text()))
+    child = started_run(pid_file, parent)
     assert child.is_running()  # control: the benchmark's run is live before the signal
     parent.terminate()
     parent.wait(timeout=60)

@@ -92,7 +92,16 @@ BUDGETS = {
     "small": Budget(pretrain_epochs=6, probe_epochs=10, detection_iters=600, detection_seeds=2),
     # A smoke run of every stage (the test suite's): one pretraining epoch at 32 px, every
     # evaluation at 32 px, four detection iterations, three SVM costs.
-    "tiny": Budget(1, 2, 4, 2, ("--costs", "0.1,1,10"), ("data.image_size=32",), (), (36, 32), (36, 32)),
+    "tiny": Budget(
+        pretrain_epochs=1,
+        probe_epochs=2,
+        detection_iters=4,
+        detection_seeds=2,
+        svm=("--costs", "0.1,1,10"),
+        pretrain=("data.image_size=32",),
+        classify_size=(36, 32),
+        svm_size=(36, 32),
+    ),
     # The real digits (40-px images, the digit placed at random): the digits augmentation at 32 px,
     # the learning table's digits budget (benchmarks/learning.py, DIGITS_EPOCHS).
     "digits": Budget(
