@@ -424,6 +424,9 @@ def train_one_epoch(run: Run, step: int, bar) -> int:
                 step=f"{row['step_time']:.3f}s",
             )
         bar.update(1)
+        # Writing the row and drawing the bar are the step's bookkeeping: left in the next "data"
+        # lap they made a slow disk or a busy machine look like waiting for the loader.
+        run.laps.lap("step")
         if step == run.last_step or run.stopping:
             break
     return step
