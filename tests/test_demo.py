@@ -57,6 +57,28 @@ def test_a_failed_stage_stops_only_the_stages_that_need_it(tmp_path):
     assert not again.failed and "a" not in again.seconds
 
 
+def test_a_link_planted_at_a_result_is_not_a_finished_stage(tmp_path):
+    """A stage is skipped only for its own file: a link at its result (to a file that exists) runs
+    the stage again, whose writer replaces the link. Control: the same stage with a real file at its
+    result is skipped."""
+    demo = _demo_module()
+    outside = tmp_path / "outside"
+    outside.write_text("not the stage's")
+    result = tmp_path / "out" / "metrics.json"
+    result.parent.mkdir()
+    result.symlink_to(outside)
+    # The stage's own writer: it replaces the link (a rename) and never writes through it.
+    r = repr(str(result))
+    replace = f"import os; open({r} + '.tmp', 'w').write('ok'); os.replace({r} + '.tmp', {r})"
+    stages = [demo.Stage("s", result, [sys.executable, "-c", replace])]
+    outcome = demo.run_stages(stages, tmp_path / "logs", env={})
+    assert not outcome.failed and "s" in outcome.seconds  # it ran
+    assert not result.is_symlink() and result.read_text() == "ok"
+    assert outside.read_text() == "not the stage's"
+    again = demo.run_stages(stages, tmp_path / "logs", env={})  # control: its own file is a finished stage
+    assert not again.failed and "s" not in again.seconds
+
+
 def _table(report: str) -> dict[str, tuple[str, str]]:
     return {
         m.group(1): (m.group(2), m.group(3))

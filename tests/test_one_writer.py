@@ -8,6 +8,8 @@ again with a link planted at every one of those paths: nothing outside the folde
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -212,6 +214,7 @@ def _command(name, synthetic_root, weights, request):
             ["--images", "12", "--side", "16", "--shard-size", "5", "--out", str(out / "shards.md")]
         ),
         "detection": lambda out: _detection(synthetic_root, weights, out),
+        "demo": lambda out: _demo(synthetic_root, out),
     }
     return commands[name]
 
@@ -244,6 +247,17 @@ def _detection(synthetic_root: Path, weights: Path, out: Path) -> None:
         + ["--data-root", str(synthetic_root), "MODEL.WEIGHTS", str(pkl), "OUTPUT_DIR", str(out)]
         + ["SOLVER.MAX_ITER", "2", "SOLVER.STEPS", "(1,)", "TEST.PRECISE_BN.ENABLED", "False"]
     )
+
+
+def _demo(synthetic_root: Path, out: Path) -> None:
+    """``tools/demo.py`` at the tiny preset; its exit status and last line of error as a command's."""
+    from .test_demo import _demo_module
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = _demo_module().main(["--data", str(synthetic_root), "--preset", "tiny", "--out", str(out)])
+    if code:
+        raise SystemExit(err.getvalue().strip().splitlines()[-1])
 
 
 def _curves(out: Path) -> None:
@@ -284,7 +298,8 @@ def weights(tmp_path_factory) -> Path:
     ["to_torchvision", "to_detectron2", "legacy_to_safe", "knn", "linear", "curves", "voc07_svm", "npc"]
     + ["negatives", "benchmarks.learning", "shards", "synthetic", "benchmarks.knn_scale", "benchmarks.shards"]
     + [pytest.param("pretrain", marks=pytest.mark.slow)]  # four tiny runs: ~40 s on two busy cores
-    + [pytest.param("detection", marks=pytest.mark.slow)],
+    + [pytest.param("detection", marks=pytest.mark.slow)]
+    + [pytest.param("demo", marks=pytest.mark.sweep)],  # every stage again for each link it stops at
 )
 def test_a_link_at_every_path_a_command_writes_changes_nothing_outside(
     name, synthetic_root, weights, tmp_path, request

@@ -176,9 +176,15 @@ def run_stage(stage: Stage, logs: Path, env: dict) -> str | None:
             code = subprocess.call(stage.command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
             if code != 0:
                 return f"exit {code}; last line: {_last_line(log)} (log: {log})"
-    if not stage.result.exists():
+    if not finished(stage.result):
         return f"finished without writing {stage.result} (log: {log})"
     return None
+
+
+def finished(result: Path) -> bool:
+    """Whether a stage left its result: a regular file. A link planted there is no result (and the
+    stage's own writer replaces it), where ``exists()`` would follow it and skip the stage."""
+    return result.is_file() and not result.is_symlink()
 
 
 def _last_line(log: Path) -> str:
@@ -201,7 +207,7 @@ def run_stages(stages: list[Stage], logs: Path, env: dict, fresh: bool = False) 
             outcome.failed[stage.name] = f"not run: needs {', '.join(missing)}"
             print(f"{prefix} not run: needs {', '.join(missing)}", flush=True)
             continue
-        if stage.result.exists() and not fresh:
+        if finished(stage.result) and not fresh:
             print(f"{prefix} already done: {stage.result}", flush=True)
             continue
         start = time.time()
