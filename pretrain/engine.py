@@ -63,7 +63,7 @@ from pretrain.data import (
     shared_index,
 )
 from pretrain.diagnostics import grad_norm_stats
-from pretrain.knn import knn_accuracy
+from pretrain.knn import knn_accuracy, labelled_images
 from pretrain.methods import METHODS
 from pretrain.models import Encoder
 from pretrain.optim import build_optimizer, lr_at
@@ -229,6 +229,7 @@ class Run:
     metrics: IO[str] | None = None  # metrics.jsonl on the main process, opened once the resume trimmed it
     laps: Laps = field(default_factory=Laps)  # where the wall time since the previous row went
     stopping: bool = False  # all processes agreed to stop after this step (a preemption signal)
+    knn_images: tuple | None = None  # the kNN monitor's (bank, queries) ImageLists, once scanned
 
     @property
     def out(self) -> Path:
@@ -551,10 +552,11 @@ def knn_monitor(run: Run, step: int, bar) -> None:
     # Every process extracts its share of the images (with workers and autocast) and votes on its
     # device, so no process waits in a barrier while one does all the work.
     cfg = run.cfg
+    if run.knn_images is None:  # scanned at the first monitor only: an ImageNet folder takes minutes
+        run.knn_images = tuple(labelled_images(d, cfg.data.image_size) for d in (cfg.knn.train_dir, cfg.knn.val_dir))
     acc = knn_accuracy(
         run.method.backbone,
-        cfg.knn.train_dir,
-        cfg.knn.val_dir,
+        *run.knn_images,
         cfg.data.image_size,
         run.accelerator.device,
         cfg.knn.k,

@@ -34,7 +34,7 @@ def labelled_images(root: str, image_size: int) -> ImageList:
 @torch.no_grad()
 def extract_features(
     backbone: nn.Module,
-    root: str,
+    root: str | ImageList,
     image_size: int,
     device: torch.device,
     batch_size: int = 256,
@@ -42,12 +42,13 @@ def extract_features(
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     worker_init_fn: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """(N, D) L2-normalized features, (N,) labels and class names of an ImageFolder, on ``device``.
+    """(N, D) L2-normalized features, (N,) labels and class names of an ImageFolder (a path, or
+    its ``labelled_images`` already scanned), on ``device``.
 
     With several processes each extracts every W-th batch (rank r: batches r, r+W, ...) and the
     shards are gathered back into the folder's order, so every process holds all N features in
     1/W of the time a single process would take, each image computed with the same batch mates."""
-    dataset = labelled_images(root, image_size)
+    dataset = root if isinstance(root, ImageList) else labelled_images(root, image_size)
     shard = Subset(dataset, shard_indices(len(dataset), batch_size))
     was_training = backbone.training
     backbone.eval()
@@ -74,8 +75,8 @@ def extract_features(
 
 def knn_accuracy(
     backbone: nn.Module,
-    train_dir: str,
-    val_dir: str,
+    train_dir: str | ImageList,
+    val_dir: str | ImageList,
     image_size: int,
     device: torch.device,
     k: int = KNN_K,
@@ -84,12 +85,14 @@ def knn_accuracy(
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     worker_init_fn: Callable[[int], None] | None = None,
 ) -> float:
-    """Top-1 accuracy (%) of weighted kNN on val_dir with train_dir as the bank; called by every
-    process (extraction sharded, the vote on ``device``), all get the same answer."""
+    """Top-1 accuracy (%) of weighted kNN on val_dir with train_dir as the bank (folders, or their
+    ``labelled_images`` kept from an earlier call); called by every process (extraction sharded,
+    the vote on ``device``), all get the same answer."""
     options = {"workers": workers, "autocast": autocast, "worker_init_fn": worker_init_fn}
     bank, bank_labels, classes = extract_features(backbone, train_dir, image_size, device, **options)
     query, labels, val_classes = extract_features(backbone, val_dir, image_size, device, **options)
     if classes != val_classes:
-        raise ValueError(f"kNN: class folders differ between {train_dir} and {val_dir}")
+        train_root, val_root = (d.index.root if isinstance(d, ImageList) else d for d in (train_dir, val_dir))
+        raise ValueError(f"kNN: class folders differ between {train_root} and {val_root}")
     pred = knn_vote(query, knn_bank(bank), bank_labels, len(classes), k, t).argmax(dim=1)  # float16 on CUDA
     return 100.0 * (pred == labels).float().mean().item()

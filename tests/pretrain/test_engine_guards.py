@@ -171,7 +171,11 @@ def test_bf16_autocast_trains_with_fp32_logits(synthetic_root, tmp_path):
     assert len([r for r in rows if "loss" in r]) == 2 and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
 
 
-def test_knn_monitor_logs_the_weighted_knn_of_the_backbone(accelerator, synthetic_root, tmp_path):
+def test_knn_monitor_logs_the_weighted_knn_of_the_backbone(accelerator, synthetic_root, tmp_path, monkeypatch):
+    """The monitor's figure at the last epoch is the weighted kNN of the exported backbone (a
+    per-query loop as the reference); its folders are scanned at the first monitor only."""
+    import pretrain.knn
+
     train_dir, val_dir = synthetic_root / "imagenet" / "train", synthetic_root / "imagenet" / "val"
     out = tmp_path / "knn"
     k, t = 5, 0.1
@@ -179,17 +183,23 @@ def test_knn_monitor_logs_the_weighted_knn_of_the_backbone(accelerator, syntheti
         "tiny_mocov2",
         train_dir,
         out,
-        "train.epochs=1",
+        "train.epochs=2",
+        "data.image_size=32",
+        "knn.every_epochs=1",
         f"knn.train_dir={train_dir}",
         f"knn.val_dir={val_dir}",
         f"knn.k={k}",
         f"knn.temperature={t}",
     )
+    scanned = []
+    real_scan = pretrain.knn.scan_index
+    monkeypatch.setattr(pretrain.knn, "scan_index", lambda root: scanned.append(str(root)) or real_scan(root))
     final = torch.load(train(cfg, accelerator), weights_only=False)
+    monkeypatch.undo()
     logged = [
         json.loads(line)["knn_top1"] for line in (out / "metrics.jsonl").read_text().splitlines() if "knn_top1" in line
     ]
-    assert len(logged) == 1
+    assert len(logged) == 2 and scanned == [str(train_dir), str(val_dir)]  # two monitors, one scan each
 
     # Reference: the exported backbone, and a per-query loop of weighted voting.
     from pretrain.models import build_backbone
@@ -207,7 +217,7 @@ def test_knn_monitor_logs_the_weighted_knn_of_the_backbone(accelerator, syntheti
             votes[bank_labels[j]] += torch.exp(sims[j] / t)
         correct += int(votes.argmax() == y)
     # The monitor's percentage is an fp32 division (30.000001 for 12 of 40); one image is 100/len(labels) points.
-    assert logged[0] == pytest.approx(100.0 * correct / len(labels), abs=1e-4)
+    assert logged[-1] == pytest.approx(100.0 * correct / len(labels), abs=1e-4)
     assert torch.allclose(bank.norm(dim=1), torch.ones(len(bank)), atol=1e-5)
 
 
