@@ -46,8 +46,9 @@ test-fast: setup
 
 # Every hostile mutant through every command line that reads its kind (tests/test_hostile_files.py);
 # `make test` runs a seeded sample of them (HOSTILE_SEED, HOSTILE_SAMPLE choose it).
+# Case by case over the workers (not whole modules: nearly all of it is one module).
 test-sweep: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m sweep -q $(PARALLEL)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m sweep -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 # The fast suite with PyTorch's other CPU kernels (ATEN_CPU_CAPABILITY): what another x86 CPU would
 # run. CI runs CAPABILITIES=default after `make test`; `make test-capabilities` alone runs all three.
