@@ -44,15 +44,23 @@ def test_a_failed_stage_stops_only_the_stages_that_need_it(tmp_path):
         demo.Stage("e", tmp_path / "e", broken),
         demo.Stage("f", tmp_path / "f", [sys.executable, "-c", "pass"]),  # exit 0 without its result
         demo.Stage("g", tmp_path / "g", write("g"), needs=("c",)),  # needs a stage that did not run
+        # a child's one-line error, then more lines (as `accelerate launch` prints its traceback after it)
+        demo.Stage(
+            "h", tmp_path / "h", [sys.executable, "-c", "print('error: the real reason'); raise SystemExit('boom')"]
+        ),
     ]
     outcome = demo.run_stages(stages, tmp_path / "logs", env={})
-    assert list(outcome.failed) == ["b", "c", "e", "f", "g"]
-    assert outcome.failed["b"].startswith("exit 3; last line: why it failed (log: ")
+    assert list(outcome.failed) == ["b", "c", "e", "f", "g", "h"]
+    assert outcome.failed["b"].startswith("exit 3; why it failed (log: ")
+    assert outcome.failed["h"].startswith("exit 1; error: the real reason (log: ")  # not the launcher's tail
     assert outcome.failed["c"] == "not run: needs b" and outcome.failed["g"] == "not run: needs c"
     assert outcome.failed["e"].startswith("ValueError: bad input, some.file")
     assert outcome.failed["f"].startswith(f"finished without writing {tmp_path / 'f'}")
     assert (tmp_path / "a").is_file() and (tmp_path / "d").is_file() and not (tmp_path / "c").exists()
     assert all("\n" not in line for line in outcome.failed.values())
+    line = demo.failure_line(outcome.failed)  # the demo's last line: each failure's reason, then what did not run
+    assert line.startswith("6 stage(s) failed; b: exit 3; why it failed (log: ") and "\n" not in line
+    assert line.endswith("; not run: c, g") and "h: exit 1; error: the real reason" in line
     again = demo.run_stages(stages[:1], tmp_path / "logs", env={})  # a stage whose result exists is skipped
     assert not again.failed and "a" not in again.seconds
 
@@ -143,7 +151,7 @@ def test_demo_pipeline_at_the_tiny_preset(synthetic_root, tmp_path):
     report = (out / "report.md").read_text()
     assert _table(report)["VOC07 SVM mAP (%)"] == (f"{svm[0]:.2f}", "—")
     assert re.search(
-        r"^- `random-voc07-svm`: exit [1-9]\d*; last line: error: .*ImageSets.* \(log: .*random-voc07-svm\.log\)$",
+        r"^- `random-voc07-svm`: exit [1-9]\d*; error: .*ImageSets.* \(log: .*random-voc07-svm\.log\)$",
         report,
         re.M,
     )

@@ -151,7 +151,7 @@ def run_side_by_side(commands: tuple[list[str], ...], log: Path, env: dict) -> s
             f.flush()
             one_core = {**os.environ, **env, "OMP_NUM_THREADS": "1"}
             procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=one_core), part))
-    failures = [f"exit {p.wait()}; last line: {_last_line(part)} (log: {part})" for p, part in procs]
+    failures = [f"exit {p.wait()}; {_why(part)} (log: {part})" for p, part in procs]
     return next((line for (p, _), line in zip(procs, failures) if p.returncode != 0), None)
 
 
@@ -175,7 +175,7 @@ def run_stage(stage: Stage, logs: Path, env: dict) -> str | None:
             env = {**os.environ, **env}
             code = subprocess.call(stage.command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
             if code != 0:
-                return f"exit {code}; last line: {_last_line(log)} (log: {log})"
+                return f"exit {code}; {_why(log)} (log: {log})"
     if not finished(stage.result):
         return f"finished without writing {stage.result} (log: {log})"
     return None
@@ -187,12 +187,15 @@ def finished(result: Path) -> bool:
     return result.is_file() and not result.is_symlink()
 
 
-def _last_line(log: Path) -> str:
+def _why(log: Path) -> str:
+    """The child's own one-line error (its last ``error: `` line), else its last line: a command
+    started through ``accelerate launch`` ends with the launcher's traceback after our line."""
     from contrastive_transfer.untrusted import read_untrusted  # torch: imported when a file is read
 
     text = read_untrusted(log, "log").decode("utf-8", errors="replace")
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1].strip()[:300] if lines else "(no output)"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    return (errors or lines or ["(no output)"])[-1][:300]
 
 
 def run_stages(stages: list[Stage], logs: Path, env: dict, fresh: bool = False) -> Outcome:
@@ -219,6 +222,15 @@ def run_stages(stages: list[Stage], logs: Path, env: dict, fresh: bool = False) 
         else:
             print(f"{prefix} {outcome.seconds[stage.name]:.0f} s -> {stage.result}", flush=True)
     return outcome
+
+
+def failure_line(failed: dict[str, str]) -> str:
+    """The failed stages with why each failed, and the stages that could not run, in one line."""
+    not_run = [name for name, why in failed.items() if why.startswith("not run")]
+    reasons = [f"{name}: {why}" for name, why in failed.items() if name not in not_run]
+    return f"{len(failed)} stage(s) failed; " + "; ".join(
+        reasons + ([f"not run: {', '.join(not_run)}"] if not_run else [])
+    )
 
 
 def random_init_checkpoint(arch: str, path: Path, seed: int) -> None:
@@ -536,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     report = write_report(args, budget, outcome.failed)
     print(f"\nreport: {report}")
     if outcome.failed:
-        print(f"error: {len(outcome.failed)} stage(s) failed: {', '.join(outcome.failed)}", file=sys.stderr)
+        print(f"error: {failure_line(outcome.failed)}", file=sys.stderr)
         return 1
     return 0
 
