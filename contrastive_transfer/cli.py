@@ -289,13 +289,20 @@ def open_own(path: str | os.PathLike, flags: int, what: str) -> int:
 
 
 def open_append(path: str | os.PathLike, fresh: bool = False) -> IO[str]:
-    """``path`` opened to append lines (a log that grows row by row, kept across a resume; with
-    ``fresh``, emptied first: a subprocess's output), by ``open_own``'s rules: never through a link.
-    The one way the project writes a file in place."""
-    fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a log")
+    """``path`` opened to append lines: a log that grows row by row, kept across a resume, by
+    ``open_own``'s rules (never through a link); with ``fresh`` (a subprocess's output, whatever
+    was there discarded), a new file renamed over ``path``, so that a link or a hard link planted
+    there is replaced, not written through. The one way the project writes a file in place."""
     if fresh:
-        os.ftruncate(fd, 0)  # after open_own's checks: O_TRUNC would empty a planted file first
-    return os.fdopen(fd, "a", encoding="utf-8")
+        tmp, fd = _create_temporary(Path(path))
+        try:
+            os.replace(tmp, path)
+        except OSError as e:  # e.g. a folder at path
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"{path}: {e.strerror}, expected a log file there: not written; remove it") from None
+        return os.fdopen(fd, "a", encoding="utf-8")
+    return os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a log"), "a", encoding="utf-8")
 
 
 def _create_temporary(path: Path) -> tuple[Path, int]:

@@ -491,6 +491,8 @@ def claim_output(args) -> str | None:
     finished stages would otherwise be taken for this one's."""
     settings = {"recipe": args.recipe, "preset": args.preset, "seed": args.seed, "data": str(args.data)}
     record = args.out / "demo.json"
+    if record.is_symlink():  # the demo's own record: one planted as a link is not adopted
+        return f"{record} is a symbolic link, expected this demo's own record: not read; remove it"
     if record.is_file():
         held = read_json(record)
         if held != settings:

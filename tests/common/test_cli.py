@@ -208,6 +208,31 @@ def test_atomic_write_and_open_append_never_follow_a_planted_link(tmp_path, monk
     assert victim.read_text() == "control"
 
 
+def test_a_fresh_log_replaces_a_planted_link_or_hard_link_and_writes_nothing_outside(tmp_path):
+    """``open_append(fresh=True)`` (a subprocess's output, its old content discarded) renames a new
+    file over whatever is at the path: a link and a hard link are replaced, their files outside
+    unchanged; a folder there is one line. Control: the same links opened to append are refused."""
+    from contrastive_transfer.cli import open_append
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for plant in (os.symlink, os.link):
+        victim = tmp_path / f"victim_{plant.__name__}.txt"
+        victim.write_text("precious")
+        log = out / f"{plant.__name__}.log"
+        plant(victim, log)
+        with pytest.raises(UserError, match=r"symbolic link|2 names"):  # the control: in place, refused
+            open_append(log)
+        with open_append(log, fresh=True) as f:
+            f.write("the stage's output\n")
+        assert victim.read_text() == "precious"
+        assert not log.is_symlink() and log.stat().st_nlink == 1 and log.read_text() == "the stage's output\n"
+    (out / "folder.log").mkdir()
+    with pytest.raises(UserError, match=r"folder\.log: .*expected a log file there"):
+        open_append(out / "folder.log", fresh=True)
+    assert sorted(p.name for p in out.iterdir()) == ["folder.log", "link.log", "symlink.log"]  # no temporaries
+
+
 def test_atomic_write_leaves_no_partial_file_and_stale_temporaries_are_removed(tmp_path):
     target = tmp_path / "checkpoint.pth"
     target.write_text("good")
