@@ -1,4 +1,5 @@
-"""tools/gpu_equivalence.py, which tools/gpu_check.sh uses to compare a 1-GPU and a 2-GPU run."""
+"""tools/gpu_equivalence.py, which tools/gpu_check.sh uses to compare a 1-GPU and a 2-GPU run, and
+the script's dry run on the CPU (every section; the detection benchmark's report checked there)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,37 @@ def test_gpu_check_dry_run_runs_every_section_on_the_cpu(tmp_path):
         assert f"### {heading}" in report, heading
     assert "| tiny_mocov2 | moco | 0 | 0 |" in report  # no host read without a row
     assert "method/supervised" in report
+    _check_detection_dry_run(tmp_path / "work" / "detection.md")
+
+
+def _check_detection_dry_run(out: Path) -> None:
+    """The detection section's CPU dry run (`benchmarks.detection_speed --tiny`): both trainers
+    from the same weights, the ratios computed from the two timings, SyncBN as BN to the bit, and
+    the evaluation on the CPU against the CPU equal to the last bit."""
+    import math
+
+    from benchmarks import detection_speed as ds
+
+    result = json.loads(out.with_suffix(".json").read_text())
+    text = out.read_text()
+    assert set(result["configs"]) == set(ds.DEFAULT_CONFIGS.split(","))
+    for config, run in result["configs"].items():
+        ours, plain = run["ours"], run["plain"]
+        assert (ours["trainer"], plain["trainer"]) == ("Trainer", "DefaultTrainer")
+        assert ours["weights_sha256"] == plain["weights_sha256"]  # the same initial weights
+        for t in (ours, plain):
+            assert all(math.isfinite(t[k]) and t[k] > 0 for k in ("iteration_s", "d2_time_s", "data_s"))
+            assert t["data_s"] < t["d2_time_s"]  # detectron2's `time` includes fetching the data
+        assert run["ratio_whole"] == ours["iteration_s"] / plain["iteration_s"]
+        assert run["ratio_time"] == ours["d2_time_s"] / plain["d2_time_s"]
+        assert f"| {config} | {run['ratio_whole']:.3f} | {run['ratio_time']:.3f} | <= 1.02 |" in text
+        assert f"| {config} | ours (transfer.detection) | {ours['iteration_s']:.4f} |" in text
+        assert run["sync_bn"]["max_loss_difference"] == 0.0 and run["sync_bn"]["sync_bn_layers"] > 50
+    ev = result["evaluation"]
+    assert ev["config"] == "voc0712_R_50_FPN_24k_syncbn" and ev["dataset"] == "voc_2007_test_first2"
+    assert set(ev["ap"]) == {"AP", "AP50", "AP75"}
+    assert all(row["difference"] == 0.0 for row in ev["ap"].values())  # CPU against CPU: bit-equal
+    d = ev["detections"]
+    assert d["images"] == 2 and d["detections"] > 0 and d["images_same_classes"] == 2
+    assert d["max_box_difference"] == 0.0 and d["max_score_difference"] == 0.0
+    assert "## Evaluation on cpu against the CPU" in text and "| AP50 |" in text

@@ -304,20 +304,28 @@ def weights(tmp_path_factory) -> Path:
 def test_a_link_at_every_path_a_command_writes_changes_nothing_outside(
     name, synthetic_root, weights, tmp_path, request
 ):
-    """The command is run once into a fresh folder to learn what it writes; then a fresh folder
-    gets a link at each of those paths, to a file of its own outside, and the command runs there.
+    """The command is run once into a fresh folder to learn what it writes; then, that folder moved
+    aside, the same path gets a link at each of those paths, to a file of its own outside, and the
+    command runs there.
     Where it stops with one line naming a planted link (a finished output it will not replace, a
     log it will not adopt), that link is taken away and it runs again, until it runs through: then
     every link it wrote is its own file. At every step the files outside stay as they were. The
     control: a plain write through one of the links changes its file."""
     run = _command(name, synthetic_root, weights, request)
-    paths = _written(run, tmp_path / "first")
+    # Every run in the same folder, moved aside after it: what a command writes can depend on the
+    # folder's name (the demo's feature caches are named by the checkpoint's digest, and the
+    # checkpoint records its output folder), so a link planted at another folder's paths would
+    # never be reached.
+    out = tmp_path / "run"
+    paths = _written(run, out)
     assert paths, name
+    out.rename(tmp_path / "first")
     outside = tmp_path / "outside"
     planted = list(paths)
     stops = []
     for attempt in range(len(paths) + 1):
-        out = tmp_path / f"planted{attempt}"
+        if out.exists():
+            out.rename(tmp_path / f"planted{attempt - 1}")
         for i, rel in enumerate(planted):
             (outside / rel).parent.mkdir(parents=True, exist_ok=True)
             (outside / rel).write_text(f"outside {i}")
