@@ -324,8 +324,6 @@ def test_a_link_at_every_path_a_command_writes_changes_nothing_outside(
     planted = list(paths)
     stops = []
     for attempt in range(len(paths) + 1):
-        if out.exists():
-            out.rename(tmp_path / f"planted{attempt - 1}")
         for i, rel in enumerate(planted):
             (outside / rel).parent.mkdir(parents=True, exist_ok=True)
             (outside / rel).write_text(f"outside {i}")
@@ -340,6 +338,7 @@ def test_a_link_at_every_path_a_command_writes_changes_nothing_outside(
         assert named, f"{name} stopped without naming a planted link: {outcome}"
         stops.append(outcome)
         planted = [rel for rel in planted if rel not in named]
+        out.rename(tmp_path / f"planted{attempt}")  # kept for reading; the next attempt starts afresh
     assert outcome == "ran", (name, stops)
     assert [rel for rel in planted if (out / rel).is_symlink()] == [], name  # each replaced by its file
     control = out / "control" / paths[0]
