@@ -312,10 +312,9 @@ def test_a_link_at_every_path_a_command_writes_changes_nothing_outside(
     every link it wrote is its own file. At every step the files outside stay as they were. The
     control: a plain write through one of the links changes its file."""
     run = _command(name, synthetic_root, weights, request)
-    # Every run in the same folder, moved aside after it: what a command writes can depend on the
-    # folder's name (the demo's feature caches are named by the checkpoint's digest, and the
-    # checkpoint records its output folder), so a link planted at another folder's paths would
-    # never be reached.
+    # Every run in the same folder, moved aside after it: what a command writes may depend on the
+    # folder's path (a pretraining checkpoint records its output folder), so a link planted at
+    # another folder's paths might never be reached.
     out = tmp_path / "run"
     paths = _written(run, out)
     assert paths, name

@@ -190,19 +190,20 @@ def file_digest(path: str | os.PathLike) -> str:
 
 
 class FeatureCache:
-    """Features on disk per (checkpoint, layer, split): ``<root>/<key>/<split>_<layer>_features.npy``.
+    """Features on disk per (weights, layer, split): ``<root>/<key>/<split>_<layer>_features.npy``.
 
-    key = hash of the checkpoint bytes, encoder, preprocessing and the image list, so a changed
-    file, list or transform never reuses stale features; a re-run with the same inputs only reads.
+    key = hash of the backbone's weights (``weights_sha256``: the tensors the model is built from,
+    not the file's bytes), encoder, preprocessing and the image list, so changed weights, list or
+    transform never reuse stale features, and a re-run with the same inputs only reads. Not the file's
+    bytes: a pretraining checkpoint also records its output folder and the code's commit, and the same
+    weights moved, converted or re-saved give the same features.
     """
 
-    def __init__(
-        self, root: str | os.PathLike, weights: str | os.PathLike, encoder: str, preprocessing: Preprocessing
-    ) -> None:
+    def __init__(self, root: str | os.PathLike, backbone: Backbone, preprocessing: Preprocessing) -> None:
         self.root = Path(root)
         self.identity = {
-            "checkpoint_sha256": file_digest(weights),
-            "encoder": encoder,
+            "weights_sha256": backbone.weights_sha256,
+            "encoder": backbone.encoder,
             "preprocessing": asdict(preprocessing),
         }
 

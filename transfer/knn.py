@@ -127,7 +127,7 @@ def _features(args):
     for line in summary_lines(backbone):
         logger.info(line)
     train.transform = val.transform = prep.transform()
-    cache = FeatureCache(out / "features", args.weights, args.encoder, prep)
+    cache = FeatureCache(out / "features", backbone, prep)
     make = lambda names: LayerFeatures(model, names)  # noqa: E731
     kwargs = dict(batch_size=args.batch_size, workers=args.workers)
     bank = cache.get(make, train, "train", ["res5avg"], **kwargs)

@@ -203,7 +203,7 @@ def _run(args, layers, train, test, model, backbone, prep) -> None:
             "test": {"split": args.test_split, "images": len(test.ids), **_chance_record(test.labels)},
             "layers": {},
         }
-        if not _evaluate_layers(args, layers, model, prep, train, test, metrics, out, caught.add):
+        if not _evaluate_layers(args, layers, model, backbone, prep, train, test, metrics, out, caught.add):
             return  # a rank other than 0: its shards of the features are extracted
     print(json.dumps({name: round(m["mAP"], 2) for name, m in metrics["layers"].items()}))
 
@@ -215,14 +215,14 @@ def _writable_outputs(args):
     return out
 
 
-def _evaluate_layers(args, layers, model, prep, train, test, metrics: dict, out, on_warnings) -> bool:
+def _evaluate_layers(args, layers, model, backbone, prep, train, test, metrics: dict, out, on_warnings) -> bool:
     """Features of both splits (cached), then the SVMs of each layer; metrics.json rewritten after each.
     False, with nothing written, on a rank other than 0 of a launcher (it extracts its shards only)."""
     from contrastive_transfer.cli import write_json
     from transfer.features import FeatureCache, LayerFeatures
 
     train.images.transform = test.images.transform = prep.transform()
-    cache = FeatureCache(args.cache_dir or out / "features", args.weights, args.encoder, prep)
+    cache = FeatureCache(args.cache_dir or out / "features", backbone, prep)
     kwargs = dict(batch_size=args.batch_size, workers=args.workers)
     make = lambda names: LayerFeatures(model, names)  # noqa: E731
     train_feats = cache.get(make, train.images, args.train_split, layers, **kwargs)

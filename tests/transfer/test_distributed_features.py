@@ -15,6 +15,7 @@ import torchvision
 from torch import nn
 
 from contrastive_transfer.ranks import gather_in_order, shard_indices
+from converters.checkpoint_io import load_backbone
 from transfer.features import FeatureCache, LayerFeatures, Preprocessing, extract
 
 from ..multiprocess_harness import Workers, assert_check_passed
@@ -82,8 +83,8 @@ def check_gather_in_order(rank: int, out_dir: str) -> None:
 
 
 def check_cache_written_by_rank0(rank: int, out_dir: str) -> None:
-    weights = Path(out_dir, "weights.pth")
-    cache = FeatureCache(Path(out_dir, "cache"), weights, "query", Preprocessing(24, 24, "center"))
+    backbone = load_backbone(Path(out_dir, "weights.pth"))
+    cache = FeatureCache(Path(out_dir, "cache"), backbone, Preprocessing(24, 24, "center"))
     make = lambda names: LayerFeatures(_model(), names)  # noqa: E731
     first = cache.get(make, Images(IMAGES), "train", ["res5avg"], batch_size=3, device=torch.device("cpu"))
     again = cache.get(make, Images(IMAGES), "train", ["res5avg"], batch_size=3, device=torch.device("cpu"))

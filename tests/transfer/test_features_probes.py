@@ -136,11 +136,11 @@ def test_preprocessing_is_the_pil_pipeline_pixel_for_pixel(synthetic_root):
 def test_feature_cache_extracts_once(synthetic_root, random_checkpoint, tmp_path, monkeypatch):
     from transfer.datasets.readers import read_image_folder
 
-    model, _ = features.load_model(random_checkpoint)
+    model, backbone = features.load_model(random_checkpoint)
     prep = Preprocessing(36, 32, "center")
     data = read_image_folder(synthetic_root / "imagenet" / "val")
     data.transform = prep.transform()
-    cache = features.FeatureCache(tmp_path, random_checkpoint, "query", prep)
+    cache = features.FeatureCache(tmp_path, backbone, prep)
     calls = []
     real = features.extract
     monkeypatch.setattr(features, "extract", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -155,6 +155,27 @@ def test_feature_cache_extracts_once(synthetic_root, random_checkpoint, tmp_path
         np.testing.assert_allclose(first["res5avg"][:3], model(x).numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_feature_cache_is_named_by_the_weights_not_the_file(synthetic_root, random_checkpoint, tmp_path):
+    """The same tensors in another file (a checkpoint that also records its folder, as pretraining's
+    does) share the cache folder; one changed value or another preprocessing do not."""
+    from transfer.datasets.readers import read_image_folder
+
+    data = read_image_folder(synthetic_root / "imagenet" / "val")
+    state = torch.load(random_checkpoint, weights_only=True)
+    prep = Preprocessing(36, 32, "center")
+    torch.save({"state_dict": state, "output_dir": str(tmp_path / "elsewhere")}, tmp_path / "a.pth")
+    state["layer4.1.bn2.bias"][0] += 1e-3
+    torch.save(state, tmp_path / "changed.pth")
+
+    def folder(path, p=prep):
+        return features.FeatureCache(tmp_path, load_backbone(path), p)._dir(data)
+
+    assert (tmp_path / "a.pth").read_bytes() != random_checkpoint.read_bytes()
+    assert folder(tmp_path / "a.pth") == folder(random_checkpoint)
+    assert folder(tmp_path / "changed.pth") != folder(random_checkpoint)
+    assert folder(random_checkpoint, p=Preprocessing(36, 28, "center")) != folder(random_checkpoint)
+
+
 def test_a_feature_cache_never_reads_or_writes_through_a_link(synthetic_root, random_checkpoint, tmp_path):
     """A cache folder is named by a hash of the inputs, so a link can be planted in its place in a
     shared folder: the cache refuses it in one line (before, it read the features found there and
@@ -164,12 +185,12 @@ def test_a_feature_cache_never_reads_or_writes_through_a_link(synthetic_root, ra
     from contrastive_transfer.cli import UserError, atomic_write
     from transfer.datasets.readers import read_image_folder
 
-    model, _ = features.load_model(random_checkpoint)
+    model, backbone = features.load_model(random_checkpoint)
     prep = Preprocessing(36, 32, "center")
     data = read_image_folder(synthetic_root / "imagenet" / "val")
     data.transform = prep.transform()
     root, outside = tmp_path / "cache", tmp_path / "outside"
-    cache = features.FeatureCache(root, random_checkpoint, "query", prep)
+    cache = features.FeatureCache(root, backbone, prep)
     outside.mkdir()
     root.mkdir()
     cache._dir(data).symlink_to(outside)
