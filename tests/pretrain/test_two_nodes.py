@@ -102,6 +102,18 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _pause_trees(procs: list[subprocess.Popen]) -> list[psutil.Process]:
+    """SIGSTOP to each launcher and everything it started (a static rendezvous has no heartbeat to
+    miss, and the run's collective timeouts are minutes)."""
+    paused = []
+    for proc in procs:
+        parent = psutil.Process(proc.pid)
+        for p in [parent, *parent.children(recursive=True)]:
+            p.suspend()
+            paused.append(p)
+    return paused
+
+
 def _lock_held(folder: Path) -> bool:
     try:
         fd = os.open(folder / ".lock", os.O_RDWR)
@@ -153,8 +165,15 @@ def runs(tmp_path_factory, synthetic_root):
     while not _lock_held(folder) and time.monotonic() < end and second[0].poll() is None:
         time.sleep(0.02)
     assert _lock_held(folder), "the two-node run never held its output folder's lock"
-    (tmp / "go").touch()
-    _, intruder_err = intruder.communicate(timeout=120)
+    # Both nodes paused while the intruder tries: under load its start can outlast the run's last
+    # steps, and it would then find the folder released (a race of the test, not of the lock).
+    paused = _pause_trees(second)
+    try:
+        (tmp / "go").touch()
+        _, intruder_err = intruder.communicate(timeout=120)
+    finally:
+        for p in paused:
+            p.resume()
     _wait(second, tmp, "second part")
     return tmp, (intruder.returncode, intruder_err)
 
