@@ -192,11 +192,10 @@ def file_digest(path: str | os.PathLike) -> str:
 class FeatureCache:
     """Features on disk per (weights, layer, split): ``<root>/<key>/<split>_<layer>_features.npy``.
 
-    key = hash of the backbone's weights (``weights_sha256``: the tensors the model is built from,
-    not the file's bytes), encoder, preprocessing and the image list, so changed weights, list or
-    transform never reuse stale features, and a re-run with the same inputs only reads. Not the file's
-    bytes: a pretraining checkpoint also records its output folder and the code's commit, and the same
-    weights moved, converted or re-saved give the same features.
+    key = hash of the backbone's weights (``weights_sha256``), encoder, preprocessing and the image
+    list, so changed weights, list or transform never reuse stale features, and a re-run with the same
+    inputs only reads. Not the file's bytes: a pretraining checkpoint also records its output folder and
+    the code's commit, and the same weights moved, converted or re-saved give the same features.
     """
 
     def __init__(self, root: str | os.PathLike, backbone: Backbone, preprocessing: Preprocessing) -> None:
