@@ -53,9 +53,12 @@ class ResNetSpec:
     bottleneck: bool
     blocks: tuple[int, int, int, int]  # blocks per stage
     width_per_group: int = 64  # the bottleneck width of stage 1; torchvision's wide variants use 128
+    channels: int = 64  # the stem's output channels; stage k has channels * 2**(k-1) (x4 after a bottleneck)
 
 
-# The record's ``arch``: the torchvision ResNets that pretraining builds and every reader rebuilds.
+# The record's ``arch``: the ResNets that pretraining builds and every reader rebuilds. All but the
+# ``_<m>x`` ones are torchvision's; those multiply every layer's channels by m, as SimCLR's width
+# multiplier does (ResNet-50 (2x) and (4x) of its Table 6: 94 M and 375 M parameters, fc excluded).
 ARCHS: dict[str, ResNetSpec] = {
     "resnet18": ResNetSpec(18, False, (2, 2, 2, 2)),
     "resnet34": ResNetSpec(34, False, (3, 4, 6, 3)),
@@ -64,6 +67,11 @@ ARCHS: dict[str, ResNetSpec] = {
     "resnet152": ResNetSpec(152, True, (3, 8, 36, 3)),
     "wide_resnet50_2": ResNetSpec(50, True, (3, 4, 6, 3), 128),
     "wide_resnet101_2": ResNetSpec(101, True, (3, 4, 23, 3), 128),
+    "resnet50_2x": ResNetSpec(50, True, (3, 4, 6, 3), 128, channels=128),
+    "resnet50_4x": ResNetSpec(50, True, (3, 4, 6, 3), 256, channels=256),
+    # A quarter of ResNet-18's width, about 12x cheaper a step on a CPU: smoke runs and the test
+    # suite's trainings (detectron2 builds ResNet-18/34 only at 64 channels: no detection).
+    "resnet18_0.25x": ResNetSpec(18, False, (2, 2, 2, 2), channels=16),
 }
 # The record's ``stem``, with its conv1 kernel (by which a reader recognizes the stem of a file
 # that does not say): "imagenet" is torchvision's 7×7/2 conv and max-pool, "small" a CIFAR-style
@@ -88,19 +96,54 @@ class FormatError(UserError, ValueError):
 def resnet_backbone(
     arch: str, stem: str = "imagenet", norm_layer: Callable[[int], nn.Module] | None = None
 ) -> tuple[nn.Module, int]:
-    """A freshly initialized torchvision ResNet ``arch`` with ``stem`` and without its classifier
+    """A freshly initialized ResNet ``arch`` (``ARCHS``) with ``stem`` and without its classifier
     (``fc`` = Identity, so the state dict has torchvision's names and no ``fc.*``); returns
     (backbone, feature dimension). ``norm_layer``: torchvision's (BatchNorm2d when None)."""
     import torchvision
     from torch import nn
 
-    net = getattr(torchvision.models, arch)(weights=None, norm_layer=norm_layer)
+    spec = ARCHS[arch]
+    if spec.channels == 64:
+        net = getattr(torchvision.models, arch)(weights=None, norm_layer=norm_layer)
+    else:
+        net = _scaled_resnet(spec, norm_layer)
     if stem == "small":
-        net.conv1 = nn.Conv2d(3, 64, kernel_size=STEM_KERNELS["small"], stride=1, padding=1, bias=False)
+        net.conv1 = nn.Conv2d(3, spec.channels, kernel_size=STEM_KERNELS["small"], stride=1, padding=1, bias=False)
         net.maxpool = nn.Identity()
     dim = net.fc.in_features
     net.fc = nn.Identity()
     return net, dim
+
+
+def _scaled_resnet(spec: ResNetSpec, norm_layer: Callable[[int], nn.Module] | None) -> nn.Module:
+    """torchvision's ResNet with ``spec.channels`` stem channels, every stage scaled alike.
+
+    torchvision fixes the stem at 64 channels, so its ResNet is built on the meta device (no
+    memory, no random draws) and its stem, stages and classifier are built again at this width by
+    its own ``_make_layer``, then initialized as its constructor initializes them."""
+    import torch
+    from torch import nn
+    from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+    block = Bottleneck if spec.bottleneck else BasicBlock
+    # a bottleneck's inner width is planes * base_width / 64: base_width keeps spec.width_per_group
+    base_width = spec.width_per_group * 64 // spec.channels if spec.bottleneck else 64
+    with torch.device("meta"):
+        net = ResNet(block, list(spec.blocks), width_per_group=base_width, norm_layer=norm_layer)
+    c = net.inplanes = spec.channels
+    net.conv1 = nn.Conv2d(3, c, kernel_size=7, stride=2, padding=3, bias=False)
+    net.bn1 = net._norm_layer(c)
+    for stage, blocks in enumerate(spec.blocks):
+        layer = net._make_layer(block, c << stage, blocks, stride=1 if stage == 0 else 2)
+        setattr(net, f"layer{stage + 1}", layer)
+    net.fc = nn.Linear(net.inplanes, 1000)
+    for m in net.modules():  # ResNet.__init__'s initialization (zero_init_residual=False)
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
+    return net
 
 
 def backbone_record(

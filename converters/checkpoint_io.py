@@ -341,20 +341,22 @@ def _detect_arch(sd: dict[str, torch.Tensor], source: str) -> str:
         bottleneck = tuple(first.shape[2:]) == (1, 1)  # a bottleneck opens with a 1x1 conv, a basic block with 3x3
     else:
         bottleneck = any(re.match(r"layer[1-4]\.\d+\.conv3\.weight$", k) for k in sd)
+    channels = sd["conv1.weight"].shape[0]  # the stem's: _detect_stem checked it is one of ARCHS'
     # Basic blocks have no bottleneck width; a wrong width there is reported as a shape error.
     width = first.shape[0] if bottleneck and first is not None and first.dim() == 4 else 64
     fits = [
         name
         for name, spec in ARCHS.items()
         if spec.bottleneck == bottleneck
-        and spec.width_per_group == width
+        and spec.channels == channels
+        and (spec.width_per_group == width or not bottleneck)
         and all(c <= b for c, b in zip(counts, spec.blocks))
     ]
     if not fits:
         kind = "bottleneck" if bottleneck else "basic"
         raise CheckpointError(
-            f"{source}: {kind} blocks per stage {tuple(counts)} with stage-1 width {width} "
-            f"fit no supported ResNet ({', '.join(ARCHS)})"
+            f"{source}: {kind} blocks per stage {tuple(counts)} with {channels} stem channels and stage-1 width "
+            f"{width} fit no supported ResNet ({', '.join(ARCHS)})"
         )
     return min(fits, key=lambda name: sum(ARCHS[name].blocks))
 
@@ -405,13 +407,20 @@ def _check_tensor(v: torch.Tensor, name: str, source: str) -> None:
         raise CheckpointError(f"{source}: {name} {problem}")
 
 
+_STEM_CHANNELS = sorted({spec.channels for spec in ARCHS.values()})
+
+
 def _detect_stem(sd: dict[str, torch.Tensor], source: str) -> str:
     shape = tuple(sd["conv1.weight"].shape)
-    stem = _STEM_OF_KERNEL.get(shape[2:]) if len(shape) == 4 and shape[:2] == (64, 3) else None
+    fits = len(shape) == 4 and shape[0] in _STEM_CHANNELS and shape[1] == 3
+    stem = _STEM_OF_KERNEL.get(shape[2:]) if fits else None
     if stem is None:
+        known = len(shape) == 4 and shape[0] in _STEM_CHANNELS
+        c = shape[0] if known else "C"
         raise CheckpointError(
-            f"{source}: conv1.weight has shape {shape}, expected (64, 3, 7, 7) "
-            "(imagenet stem) or (64, 3, 3, 3) (small stem)"
+            f"{source}: conv1.weight has shape {shape}, expected ({c}, 3, 7, 7) (imagenet stem) or "
+            f"({c}, 3, 3, 3) (small stem)"
+            + ("" if known else f", C one of {', '.join(map(str, _STEM_CHANNELS))} (64: torchvision's ResNets)")
         )
     return stem
 

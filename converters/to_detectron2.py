@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from contrastive_transfer.contract import ARCHS
 from converters.cli import convert_backbone, converter_main
 
 if TYPE_CHECKING:  # the torch part is imported by convert(), so that --help answers at once
@@ -72,10 +73,14 @@ def detectron2_config(backbone: Backbone) -> dict[str, object]:
         "MODEL.RESNETS.STRIDE_IN_1X1": False,
         "MODEL.RESNETS.DEPTH": backbone.depth,
     }
+    spec = ARCHS[backbone.arch]
     if backbone.depth in (18, 34):
         cfg["MODEL.RESNETS.RES2_OUT_CHANNELS"] = 64  # basic blocks: stage 2 keeps the stem's 64 channels
-    if backbone.arch.startswith("wide_"):
-        cfg["MODEL.RESNETS.WIDTH_PER_GROUP"] = 128  # torchvision's wide variants double the bottleneck only
+    if spec.width_per_group != 64:
+        cfg["MODEL.RESNETS.WIDTH_PER_GROUP"] = spec.width_per_group  # the bottleneck width of stage 2 (res2)
+    if spec.channels != 64 and spec.bottleneck:  # SimCLR's wide ResNet-50s: every layer scaled, the stem too
+        cfg["MODEL.RESNETS.STEM_OUT_CHANNELS"] = spec.channels
+        cfg["MODEL.RESNETS.RES2_OUT_CHANNELS"] = 4 * spec.channels
     return cfg
 
 
@@ -89,6 +94,12 @@ def to_detectron2(backbone: Backbone) -> dict[str, np.ndarray]:
             f"{tuple(backbone.state_dict['conv1.weight'].shape)}); detectron2's ResNet stem "
             "is 7x7/2 + max-pool, so it cannot be converted (use converters.to_torchvision or "
             "the frozen-feature evaluators)"
+        )
+    if not ARCHS[backbone.arch].bottleneck and ARCHS[backbone.arch].channels != 64:
+        raise CheckpointError(
+            f"{backbone.source}: {backbone.arch} has {ARCHS[backbone.arch].channels} stem channels; detectron2 "
+            "builds ResNet-18/34 only with 64 (RES2_OUT_CHANNELS), so it cannot be converted (use "
+            "converters.to_torchvision or the frozen-feature evaluators)"
         )
     model = {detectron2_name(k): v.numpy() for k, v in backbone.state_dict.items()}
     if len(model) != len(backbone.state_dict):  # cannot happen for torchvision names; guards the rules

@@ -13,7 +13,8 @@ Load it with ``torchvision.models.<arch>().load_state_dict(sd, strict=False)`` (
 missing and ``metadata`` unexpected; ``sd.pop("metadata")`` first for ``strict=True`` elsewhere).
 A small-stem backbone keeps its 3x3 ``conv1``: rebuild the stem first
 (``conv1 = Conv2d(3, 64, 3, 1, 1, bias=False)``, ``maxpool = Identity()``), or build the network with
-``contrastive_transfer.contract.resnet_backbone(arch, "small")``.
+``contrastive_transfer.contract.resnet_backbone(arch, "small")``. The ``_<m>x`` archs (SimCLR's
+width multiplier) are not torchvision's: ``resnet_backbone(arch, stem)`` builds them.
 """
 
 from __future__ import annotations
@@ -55,9 +56,18 @@ def _write_state_dict(backbone, out_path: Path) -> int:
 
 
 def _report(summary: dict) -> str:
+    from contrastive_transfer.contract import ARCHS
+
+    arch = summary["arch"]
+    if ARCHS[arch].channels != 64:  # torchvision has no network of this width
+        return (
+            f"wrote {summary['tensors']} tensors to {summary['output']}: "
+            f"contrastive_transfer.contract.resnet_backbone({arch!r}, {summary['stem']!r}) builds the network "
+            "that loads them (torchvision has no ResNet of this width)"
+        )
     stem_note = "" if summary["stem"] == "imagenet" else "; small stem: rebuild conv1 as 3x3/1 and drop the max-pool"
     return (
-        f"wrote {summary['tensors']} tensors to {summary['output']}: torchvision.models.{summary['arch']}() "
+        f"wrote {summary['tensors']} tensors to {summary['output']}: torchvision.models.{arch}() "
         f"loads them with strict=False (fc.* missing){stem_note}"
     )
 

@@ -102,15 +102,15 @@ def tiny_moco(synthetic_root, tmp_path_factory) -> Path:
 
 
 # The brief pretraining: the tiny SimCLR recipe for a few epochs on the small preset's ImageNet
-# layout (1500 train / 300 val images: the tiny preset's 100 val images make kNN too coarse), at
-# 24 px for 4 epochs: kNN goes from 40.7 % at the random init to 53.0 % (over the tests' 5-point
-# margin; 40.0 -> 51.7 % at 32 px, 53.0 after 6 epochs there; AMD EPYC, default kernels), in 3.1
-# minutes on 2 cores beside another job (3.3 alone at 32 px; 64 px and 6 epochs took 10-15).
-# Cheaper budgets measured 2026-11-29 leave too little margin: 3 epochs reach 47.3 % with this
-# fixture's 2 threads (52.7 % on one thread); on one thread, 2 epochs 45.7 %, 3 epochs at 20 px
-# 37.7 -> 47.3 %, 4 epochs at 16 px 34.7 -> 36.0 %.
+# layout (1500 train / 300 val images: the tiny preset's 100 val images make kNN too coarse), with
+# the quarter-width ResNet-18 (`resnet18_0.25x`: the same blocks, SplitBatchNorm and SyncBN apply
+# alike, about 10x cheaper a step) at 24 px for 8 epochs, on one thread: kNN goes from 32.7 % at
+# the random init to 57.3 % (the tests' margin is 5 points) in 72 s alone (AMD EPYC, 2026-11-30;
+# 6 epochs: 50.7 %). The full-width ResNet-18 took 4.7 min for 4 epochs (40.7 -> 53.0 %), and
+# cheaper budgets of it left too little margin (3 epochs: 47.3 % with 2 threads; 16 px: 36.0 %).
 BRIEF_RECIPE = "configs/pretrain/tiny_simclr.yaml"
-BRIEF_EPOCHS = 4
+BRIEF_ARCH = "resnet18_0.25x"
+BRIEF_EPOCHS = 8
 BRIEF_SIZE = 24
 
 
@@ -136,14 +136,15 @@ def brief_pretraining(tmp_path_factory) -> dict:
         f"knn.val_dir={data / 'val'}",
         f"knn.every_epochs={BRIEF_EPOCHS}",
         f"data.image_size={BRIEF_SIZE}",
+        f"model.arch={BRIEF_ARCH}",
         "train.log_every=20",
     ]
     subprocess.run(
         [sys.executable, "-m", "pretrain", "--config", BRIEF_RECIPE, *overrides],
         cwd=REPO,
         check=True,
-        capture_output=True,  # pytest waits idle meanwhile: the run may use 2 cores
-        env={**os.environ, "OMP_NUM_THREADS": str(min(2, os.cpu_count() or 1)), "OMP_WAIT_POLICY": "PASSIVE"},
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # the other worker has the other core
     )
     # The run's starting point: the engine seeds with train.seed and then builds the method.
     cfg = load_config(REPO / BRIEF_RECIPE, overrides)

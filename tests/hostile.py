@@ -68,11 +68,16 @@ def stored_views(shapes: dict[str, tuple[torch.Size, torch.dtype]], values: torc
 
 
 def model_shapes(arch: str, stem: str = "imagenet", fc: bool = False) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """The state dict's shapes and dtypes of a torchvision ResNet (meta: nothing allocated)."""
+    """The state dict's shapes and dtypes of a torchvision ResNet (meta: nothing allocated); the
+    ``_<m>x`` archs, which torchvision lacks, as the project builds them (test_architecture.py and
+    test_to_detectron2.py judge those shapes by hand and by detectron2)."""
+    from contrastive_transfer.contract import ARCHS, _scaled_resnet
+
     with torch.device("meta"):
-        net = getattr(torchvision.models, arch)(weights=None)
+        tv = getattr(torchvision.models, arch, None)
+        net = tv(weights=None) if tv is not None else _scaled_resnet(ARCHS[arch], None)
         if stem == "small":
-            net.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+            net.conv1 = nn.Conv2d(3, net.conv1.out_channels, 3, 1, 1, bias=False)
     return {k: (v.shape, v.dtype) for k, v in net.state_dict().items() if fc or not k.startswith("fc.")}
 
 

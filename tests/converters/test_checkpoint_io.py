@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 
 from contrastive_transfer.contract import ARCHS
@@ -67,6 +68,63 @@ def test_depth_and_width_are_detected(arch, make_expanded, tmp_path):
     backbone = load_backbone(tmp_path / "w.pth")
     assert (backbone.arch, backbone.stem, backbone.depth) == (arch, "imagenet", ARCHS[arch].depth)
     assert sorted(backbone.state_dict) == sorted(k for k in full if not k.startswith("fc."))
+
+
+def _basic_resnet18_parameters(c: int) -> int:
+    """Parameters of a basic-block ResNet-18 with c stem channels, counted by hand: the 7x7 stem,
+    then per block two 3x3 convs, two BNs (weight and bias) and, where the width changes, a 1x1
+    projection with its BN."""
+    n, cin = 3 * c * 49 + 2 * c, c
+    for stage in range(4):
+        w = c << stage
+        for _ in range(2):
+            n += cin * w * 9 + w * w * 9 + 4 * w + (cin * w + 2 * w if cin != w else 0)
+            cin = w
+    return n
+
+
+def test_scaled_resnets_have_the_sizes_counted_by_hand_and_in_simclr():
+    """The ``_<m>x`` archs multiply every layer's channels: the quarter-width ResNet-18 has the
+    parameters counted by hand (the same count gives torchvision's ResNet-18 at 64 channels), and
+    SimCLR's ResNet-50 (2x) and (4x) the 94 M and 375 M of its Table 6 (fc excluded). The unscaled
+    archs stay torchvision's networks, weights included."""
+    from contrastive_transfer.contract import resnet_backbone
+
+    def parameters(arch):
+        with torch.device("meta"):
+            return sum(p.numel() for p in resnet_backbone(arch)[0].parameters())
+
+    tv18 = torchvision.models.resnet18()
+    assert _basic_resnet18_parameters(64) == sum(p.numel() for n, p in tv18.named_parameters() if "fc." not in n)
+    assert _basic_resnet18_parameters(16) == parameters("resnet18_0.25x") == 702_096
+    assert round(parameters("resnet50_2x") / 1e6) == 94 and round(parameters("resnet50_4x") / 1e6) == 375
+    assert resnet_backbone("resnet50_2x")[1] == 4096  # the feature dimension: 2048 x 2
+    torch.manual_seed(0)
+    ours = resnet_backbone("resnet18")[0].state_dict()
+    torch.manual_seed(0)
+    reference = {k: v for k, v in torchvision.models.resnet18().state_dict().items() if "fc." not in k}
+    _assert_same_tensors(ours, reference)
+
+
+def test_a_narrow_resnet_is_read_built_and_told_from_its_record(tmp_path):
+    """A quarter-width ResNet-18 file is read as ``resnet18_0.25x`` (its stem's 16 channels) and
+    rebuilt computing what the saved network computes; a record naming another arch is refused."""
+    from contrastive_transfer.contract import resnet_backbone
+
+    torch.manual_seed(1)
+    net = resnet_backbone("resnet18_0.25x", "small")[0].eval()
+    torch.save({"state_dict": net.state_dict()}, tmp_path / "narrow.pth")
+    backbone = load_backbone(tmp_path / "narrow.pth")
+    assert (backbone.arch, backbone.stem, backbone.depth) == ("resnet18_0.25x", "small", 18)
+    x = torch.randn(2, 3, 24, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(build_resnet(backbone)(x), net(x), rtol=0, atol=0)
+    record = {"format": "contrastive-transfer/backbone/v1", "backbone": net.state_dict(), "arch": "resnet18"}
+    torch.save({**record, "stem": "small"}, tmp_path / "lying.pth")
+    with pytest.raises(
+        CheckpointError, match=r"the record says resnet18 \(small stem\) but its tensors are resnet18_0\.25x"
+    ):
+        load_backbone(tmp_path / "lying.pth")
 
 
 def test_small_stem_is_detected(make_expanded, tmp_path):

@@ -172,6 +172,14 @@ def test_names_and_shapes_fit_detectron2_backbones_of_every_depth(arch, make_exp
     cfg.MODEL.RESNETS.NORM = "BN"
     cfg.MODEL.RESNETS.OUT_FEATURES = ["res2", "res3", "res4", "res5"]
     cfg.MODEL.BACKBONE.FREEZE_AT = 0
+    spec = ARCHS[arch]
+    if not spec.bottleneck and spec.channels != 64:  # a narrow ResNet-18: detectron2 cannot build it
+        cfg.MODEL.RESNETS.STEM_OUT_CHANNELS = cfg.MODEL.RESNETS.RES2_OUT_CHANNELS = spec.channels
+        with pytest.raises(AssertionError), torch.device("meta"):
+            build_resnet_backbone(cfg, ShapeSpec(channels=3))
+        with pytest.raises(CheckpointError, match=rf"{arch} has {spec.channels} stem channels; detectron2 builds"):
+            to_detectron2(backbone)
+        return
     with torch.device("meta"):
         d2 = build_resnet_backbone(cfg, ShapeSpec(channels=3))
     want = {k: tuple(v.shape) for k, v in d2.state_dict().items()}

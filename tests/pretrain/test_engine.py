@@ -21,6 +21,9 @@ from pretrain.models import SplitBatchNorm, build_backbone
 from pretrain.optim import LARS, lr_at
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
+# The tiny recipes' ResNet-18 at a quarter of its width: the same blocks, SplitBatchNorm and SyncBN
+# conversion, about ten times cheaper a step (the tests' trainings check mechanics, not learning).
+NARROW = "model.arch=resnet18_0.25x"
 TINY = sorted(p.stem for p in RECIPES.glob("tiny_*.yaml"))
 PAPER = sorted(p.stem for p in RECIPES.glob("*.yaml") if not p.stem.startswith(("_", "tiny_")))
 
@@ -115,8 +118,8 @@ def test_batch_must_split_over_processes_and_cli_prints_one_line():
 def test_tiny_recipe_trains_without_nan_and_loss_moves(accelerator, synthetic_root, tmp_path, recipe):
     import json
 
-    steps = ("train.max_steps=3", "train.diagnostics_every=2", "data.image_size=32")  # 32 px: the multi-crop's
-    final = _run(accelerator, recipe, synthetic_root, tmp_path, *steps)  # five query sizes fit, in half the time
+    steps = ("train.max_steps=3", "train.diagnostics_every=2", "data.image_size=32", NARROW)  # 32 px: the
+    final = _run(accelerator, recipe, synthetic_root, tmp_path, *steps)  # multi-crop's five query sizes fit
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     assert len(losses) == 3 and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float)), rows
@@ -127,8 +130,8 @@ def test_tiny_recipe_trains_without_nan_and_loss_moves(accelerator, synthetic_ro
         assert {"mi_bound", "npc_mean", "npc_cv", "pos_cos", "neg_cos", "lr", "data_time"} <= set(rows[-1])
         assert "grad_q_norm_mean" in rows[1] and rows[1]["grad_q_norm_mean"] > 0
     ckpt = torch.load(final, weights_only=False)
-    assert ckpt["method"] == _cfg(recipe).method.name and ckpt["arch"] == "resnet18"
-    net, _ = build_backbone("resnet18", ckpt["stem"])
+    assert ckpt["method"] == _cfg(recipe).method.name and ckpt["arch"] == "resnet18_0.25x"
+    net, _ = build_backbone("resnet18_0.25x", ckpt["stem"])
     net.load_state_dict(ckpt["backbone"])  # torchvision naming, nothing missing or extra
 
 
@@ -137,15 +140,15 @@ def _digest(path: Path) -> str:
 
 
 # Every registered method resumes bit-exactly with the tiny encoder (test_registered.py); these two
-# do it with the real ResNet-18: SplitBatchNorm (MoCo's bn_splits) and the SyncBN conversion.
+# do it with a real ResNet-18 (NARROW): SplitBatchNorm (MoCo's bn_splits) and the SyncBN conversion.
 @pytest.mark.parametrize("recipe", ["tiny_mocov2", "tiny_simclr"])
 def test_two_steps_restart_two_steps_equals_four_steps(accelerator, synthetic_root, tmp_path, recipe):
     straight = torch.load(
-        _run(accelerator, recipe, synthetic_root, tmp_path / "a", "train.max_steps=4"), weights_only=False
+        _run(accelerator, recipe, synthetic_root, tmp_path / "a", "train.max_steps=4", NARROW), weights_only=False
     )
-    _run(accelerator, recipe, synthetic_root, tmp_path / "b", "train.max_steps=2")
+    _run(accelerator, recipe, synthetic_root, tmp_path / "b", "train.max_steps=2", NARROW)
     resumed = torch.load(
-        _run(accelerator, recipe, synthetic_root, tmp_path / "b", "train.max_steps=4"), weights_only=False
+        _run(accelerator, recipe, synthetic_root, tmp_path / "b", "train.max_steps=4", NARROW), weights_only=False
     )
     assert resumed["step"] == straight["step"] == 4
     for key, value in straight["backbone"].items():
@@ -157,7 +160,7 @@ def test_two_steps_restart_two_steps_equals_four_steps(accelerator, synthetic_ro
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(accelerator, synthetic_root, tmp_path):
-    _run(accelerator, "tiny_simclr", synthetic_root, tmp_path, "train.max_steps=1")
+    _run(accelerator, "tiny_simclr", synthetic_root, tmp_path, "train.max_steps=1", NARROW)
     last = tmp_path / "checkpoint_last.pth"
     before = _digest(last)
     with pytest.raises(
@@ -171,6 +174,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(accelerator, s
             "train.max_steps=6",
             "optim.lr=1e38",
             "train.checkpoint_every=1000",
+            NARROW,
         )
     assert _digest(last) == before
 

@@ -44,6 +44,7 @@ def run(out: Path, root: Path, *overrides: str) -> None:
             "data.num_workers=0",
             "train.log_every=1",
             "train.log_with=none",
+            "model.arch=resnet18_0.25x",  # the recipe's ResNet-18 at a quarter width: ten times cheaper a step
             *overrides,
         ]
     )

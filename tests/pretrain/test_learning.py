@@ -1,5 +1,6 @@
-"""Learning happens: a brief pretraining (the shared `brief_pretraining` run: tiny SimCLR, a few
-epochs on the synthetic ImageNet layout) beats its own random initialization in weighted kNN."""
+"""Learning happens: a brief pretraining (the shared `brief_pretraining` run: tiny SimCLR with the
+quarter-width ResNet-18, a few epochs on the synthetic ImageNet layout) beats its own random
+initialization in weighted kNN."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""End to end through the real CLIs: the shared brief pretraining (tiny SimCLR, see conftest)
-against its own random initialization, both as checkpoint_final.pth files, in kNN on the synthetic
-ImageNet layout; both also through the VOC07 SVM on the tiny synthetic VOC2007.
+"""End to end through the real CLIs: the shared brief pretraining (tiny SimCLR with the
+quarter-width ResNet-18, see conftest) against its own random initialization, both as
+checkpoint_final.pth files, in kNN on the synthetic ImageNet layout; both also through the VOC07
+SVM on the tiny synthetic VOC2007.
 
 The SVM's mAP is not compared: on the tiny VOC (40 training images, 1-9 positives per class) both
 backbones score the chance level that random rankings give (20.2 ± 2.3; 19.96 vs 20.56 under
@@ -69,7 +70,9 @@ def test_pretrained_beats_random_init_in_knn_and_both_run_the_svm(synthetic_root
             ]
         )
         metrics = json.loads((tmp_path / f"svm_{name}" / "metrics.json").read_text())
-        assert metrics["preprocessing"]["mode"] == "warp" and metrics["layers"]["res5avg"]["dim"] == 512
+        assert (
+            metrics["preprocessing"]["mode"] == "warp" and metrics["layers"]["res5avg"]["dim"] == 128
+        )  # resnet18_0.25x
         svm_map[name] = metrics["layers"]["res5avg"]["mAP"]
         chance, _ = chance_map(read_voc_labels(synthetic_root / "VOC2007", "test").labels)
         assert metrics["test"]["chance_mAP"] == chance
