@@ -88,7 +88,8 @@ def digits_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moco(synthetic_root, tmp_path_factory) -> Path:
     """A two-step MoCo v2 run (its checkpoint_last.pth with the queue, its checkpoint_final.pth),
-    smaller than the tiny recipe (16 px, batch 8, queue 64): the analyses' input."""
+    smaller than the tiny recipe (16 px, batch 8, queue 64, the quarter-width ResNet-18): the
+    analyses' input."""
     from accelerate import Accelerator
 
     from pretrain.config import load_config
@@ -97,6 +98,7 @@ def tiny_moco(synthetic_root, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_moco")
     overrides = [f"data.root={synthetic_root / 'imagenet' / 'train'}", f"train.output_dir={out}", "train.max_steps=2"]
     overrides += ["data.image_size=16", "train.batch_size=8", "method.queue_size=64", "method.bn_splits=2"]
+    overrides += ["model.arch=resnet18_0.25x"]
     train(load_config(REPO / "configs" / "pretrain" / "tiny_mocov2.yaml", overrides), Accelerator(cpu=True))
     return out
 

@@ -279,7 +279,7 @@ def _pretrain(synthetic_root: Path, out: Path) -> None:
     main(
         ["--config", str(REPO / "configs" / "pretrain" / "tiny_simclr.yaml")]
         + [f"data.root={synthetic_root / 'imagenet' / 'train'}", f"train.output_dir={out}", "train.max_steps=2"]
-        + ["knn.train_dir=null", "train.resume=none"]
+        + ["knn.train_dir=null", "train.resume=none", "model.arch=resnet18_0.25x"]
     )
 
 
@@ -297,7 +297,7 @@ def weights(tmp_path_factory) -> Path:
     "name",
     ["to_torchvision", "to_detectron2", "legacy_to_safe", "knn", "linear", "curves", "voc07_svm", "npc"]
     + ["negatives", "benchmarks.learning", "shards", "synthetic", "benchmarks.knn_scale", "benchmarks.shards"]
-    + [pytest.param("pretrain", marks=pytest.mark.slow)]  # four tiny runs: ~40 s on two busy cores
+    + [pytest.param("pretrain", marks=pytest.mark.slow)]  # four tiny runs
     + [pytest.param("detection", marks=pytest.mark.slow)]
     + [pytest.param("demo", marks=pytest.mark.sweep)],  # every stage again for each link it stops at
 )

@@ -25,8 +25,15 @@ from pretrain.knn import extract_features
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
 
 
+# The tiny recipes' ResNet-18 at a quarter of its width, about ten times cheaper a step: these runs
+# check the engine's guards, not what it learns.
+NARROW = "model.arch=resnet18_0.25x"
+
+
 def _cfg(recipe: str, root: Path, out: Path, *overrides: str):
-    return load_config(RECIPES / f"{recipe}.yaml", [f"data.root={root}", f"train.output_dir={out}", *overrides])
+    return load_config(
+        RECIPES / f"{recipe}.yaml", [f"data.root={root}", f"train.output_dir={out}", NARROW, *overrides]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +168,7 @@ def test_bf16_autocast_trains_with_fp32_logits(synthetic_root, tmp_path):
             "train.mixed_precision=bf16",
             # The analyses' toy size: without bf16 units a CPU computes a bf16 convolution's
             # backward on its slow path (7 s a step at 16 px, 16 s at the recipe's 64 px)
-            *("data.image_size=16", "train.batch_size=8", "method.queue_size=64", "method.bn_splits=2"),
+            *("data.image_size=16", "train.batch_size=8", "method.queue_size=64", "method.bn_splits=2", NARROW),
         ],
         capture_output=True,
         text=True,
