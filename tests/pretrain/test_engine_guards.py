@@ -31,9 +31,7 @@ NARROW = "model.arch=resnet18_0.25x"
 
 
 def _cfg(recipe: str, root: Path, out: Path, *overrides: str):
-    return load_config(
-        RECIPES / f"{recipe}.yaml", [f"data.root={root}", f"train.output_dir={out}", NARROW, *overrides]
-    )
+    return load_config(RECIPES / f"{recipe}.yaml", [f"data.root={root}", f"train.output_dir={out}", NARROW, *overrides])
 
 
 @pytest.fixture(scope="module")
