@@ -32,7 +32,8 @@ B, SIZE = 8, 16
 def _method(recipe: str, *overrides: str):
     cfg = load_config(
         RECIPES / f"{recipe}.yaml",
-        [f"train.batch_size={B}", f"data.image_size={SIZE}", "method.dim=8", "model.stem=small", *overrides],
+        [f"train.batch_size={B}", f"data.image_size={SIZE}", "method.dim=8", "model.stem=small"]
+        + ["model.arch=resnet18_0.25x", *overrides],  # a real ResNet-18 (SplitBatchNorm, BN), a quarter wide
     )
     torch.manual_seed(0)
     return METHODS[cfg.method.name](cfg, 1).train(), cfg
