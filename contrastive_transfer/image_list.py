@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -27,7 +28,7 @@ class ImageList(Dataset):
     (benchmarks/file_index.md). Its entries are files, or members of tar shards
     (contrastive_transfer/shards.py) read from their shard."""
 
-    def __init__(self, index: FileIndex, transform: object = None):
+    def __init__(self, index: FileIndex, transform: Callable | None = None):
         self.index = index
         self.transform = transform
         self.labels = index.labels.astype(np.int64)  # one array, shared with the workers as the index is

@@ -413,7 +413,7 @@ _STEM_CHANNELS = sorted({spec.channels for spec in ARCHS.values()})
 def _detect_stem(sd: dict[str, torch.Tensor], source: str) -> str:
     shape = tuple(sd["conv1.weight"].shape)
     fits = len(shape) == 4 and shape[0] in _STEM_CHANNELS and shape[1] == 3
-    stem = _STEM_OF_KERNEL.get(shape[2:]) if fits else None
+    stem = _STEM_OF_KERNEL.get((shape[2], shape[3])) if fits else None
     if stem is None:
         known = len(shape) == 4 and shape[0] in _STEM_CHANNELS
         c = shape[0] if known else "C"
