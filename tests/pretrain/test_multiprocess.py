@@ -12,10 +12,10 @@
   shuffle BN is part of the comparison. Each case also runs a control, a known way to get it
   wrong (the gather without the summed backward, DCLW's per-process softmax, the local rank
   offset, no shuffle), which must differ from the reference: the comparison can fail.
-* SimCLR with the real ResNet-18: once with BN statistics frozen (torch's SyncBN; loss and
-  gather-with-grad path only) and once with the engine's cross-process BN in train mode (also the
-  BN running statistics).
-* MoCo with the real ResNet-18: the queue stays identical on both ranks and holds the gathered
+* SimCLR with a real ResNet-18 (``resnet18_0.25x``: its blocks at a quarter of the width): once
+  with BN statistics frozen (torch's SyncBN; loss and gather-with-grad path only) and once with the
+  engine's cross-process BN in train mode (also the BN running statistics).
+* MoCo with the same ResNet-18: the queue stays identical on both ranks and holds the gathered
   keys in rank order; ``keys(x)`` equals the key encoder run on each rank's slice of the permuted
   global batch (BN statistics of that slice), normalized and unshuffled.
 * ``torchrun --nproc_per_node 2 -m pretrain`` with the tiny MoCo v2 and SimCLR recipes (SimCLR
@@ -66,8 +66,8 @@ MOCO_RECIPE = RECIPES / "tiny_mocov2.yaml"
 N = 4  # per-rank batch
 B = WORLD * N  # global batch
 SIZE = 8  # image side: with the small stem layer4 is 1×1 (BN statistics still span the N samples)
-# Tiny ResNet-18 (small stem) and the global batch B in the config (it is split over processes).
-OVERRIDES = ["model.arch=resnet18", "model.stem=small", f"train.batch_size={B}", f"data.image_size={SIZE}"]
+# Quarter-width ResNet-18 (small stem) and the global batch B in the config (split over processes).
+OVERRIDES = ["model.arch=resnet18_0.25x", "model.stem=small", f"train.batch_size={B}", f"data.image_size={SIZE}"]
 MOCO_OVERRIDES = OVERRIDES + [f"method.queue_size={2 * B}"]  # wraps around after 2 steps
 MOCO_STEPS = 3
 RTOL = 1e-5
