@@ -69,7 +69,7 @@ ARCHS: dict[str, ResNetSpec] = {
     "wide_resnet101_2": ResNetSpec(101, True, (3, 4, 23, 3), 128),
     "resnet50_2x": ResNetSpec(50, True, (3, 4, 6, 3), 128, channels=128),
     "resnet50_4x": ResNetSpec(50, True, (3, 4, 6, 3), 256, channels=256),
-    # A quarter of ResNet-18's width, about 12x cheaper a step on a CPU: smoke runs and the test
+    # A quarter of ResNet-18's width, about 10x cheaper a step on a CPU: smoke runs and the test
     # suite's trainings (detectron2 builds ResNet-18/34 only at 64 channels: no detection).
     "resnet18_0.25x": ResNetSpec(18, False, (2, 2, 2, 2), channels=16),
 }

@@ -106,10 +106,12 @@ def test_scaled_resnets_have_the_sizes_counted_by_hand_and_in_simclr():
     _assert_same_tensors(ours, reference)
 
 
-def test_a_narrow_resnet_is_read_built_and_told_from_its_record(tmp_path):
+def test_a_narrow_resnet_is_read_built_and_told_from_its_record(tmp_path, capsys):
     """A quarter-width ResNet-18 file is read as ``resnet18_0.25x`` (its stem's 16 channels) and
-    rebuilt computing what the saved network computes; a record naming another arch is refused."""
+    rebuilt computing what the saved network computes, also from its torchvision-named copy, whose
+    report names the call that builds it; a record naming another arch is refused."""
     from contrastive_transfer.contract import resnet_backbone
+    from converters import to_torchvision
 
     torch.manual_seed(1)
     net = resnet_backbone("resnet18_0.25x", "small")[0].eval()
@@ -117,8 +119,12 @@ def test_a_narrow_resnet_is_read_built_and_told_from_its_record(tmp_path):
     backbone = load_backbone(tmp_path / "narrow.pth")
     assert (backbone.arch, backbone.stem, backbone.depth) == ("resnet18_0.25x", "small", 18)
     x = torch.randn(2, 3, 24, 24)
+    to_torchvision.main([str(tmp_path / "narrow.pth"), str(tmp_path / "narrow.safetensors")])
+    assert "resnet_backbone('resnet18_0.25x', 'small') builds the network" in capsys.readouterr().out
+    copy = load_backbone(tmp_path / "narrow.safetensors")
     with torch.no_grad():
         torch.testing.assert_close(build_resnet(backbone)(x), net(x), rtol=0, atol=0)
+        torch.testing.assert_close(build_resnet(copy)(x), net(x), rtol=0, atol=0)
     record = {"format": "contrastive-transfer/backbone/v1", "backbone": net.state_dict(), "arch": "resnet18"}
     torch.save({**record, "stem": "small"}, tmp_path / "lying.pth")
     with pytest.raises(
