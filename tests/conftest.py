@@ -109,7 +109,7 @@ def tiny_moco(synthetic_root, tmp_path_factory) -> Path:
 # alike, about 10x cheaper a step) at 24 px for 8 epochs, on one thread: kNN goes from 32.7 % at
 # the random init to 57.3 % (the tests' margin is 5 points) in 72 s alone (AMD EPYC, 2026-11-30;
 # under ATEN_CPU_CAPABILITY=default 33.0 -> 46.0; seeds 1 and 2: +16.7 and +18.3 points; 6 epochs:
-# 50.7 %). The full-width ResNet-18 took 4.7 min for 4 epochs (40.7 -> 53.0 %), and cheaper
+# 50.7 %). The full-width ResNet-18 took 286 s of CPU for 4 epochs (40.7 -> 53.0 %), and cheaper
 # budgets of it left too little margin (3 epochs: 47.3 % with 2 threads; 16 px: 36.0 %).
 BRIEF_RECIPE = "configs/pretrain/tiny_simclr.yaml"
 BRIEF_ARCH = "resnet18_0.25x"
