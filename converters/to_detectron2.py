@@ -95,9 +95,10 @@ def to_detectron2(backbone: Backbone) -> dict[str, np.ndarray]:
             "is 7x7/2 + max-pool, so it cannot be converted (use converters.to_torchvision or "
             "the frozen-feature evaluators)"
         )
-    if not ARCHS[backbone.arch].bottleneck and ARCHS[backbone.arch].channels != 64:
+    spec = ARCHS[backbone.arch]
+    if not spec.bottleneck and spec.channels != 64:
         raise CheckpointError(
-            f"{backbone.source}: {backbone.arch} has {ARCHS[backbone.arch].channels} stem channels; detectron2 "
+            f"{backbone.source}: {backbone.arch} has {spec.channels} stem channels; detectron2 "
             "builds ResNet-18/34 only with 64 (RES2_OUT_CHANNELS), so it cannot be converted (use "
             "converters.to_torchvision or the frozen-feature evaluators)"
         )

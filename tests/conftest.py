@@ -98,7 +98,7 @@ def tiny_moco(synthetic_root, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_moco")
     overrides = [f"data.root={synthetic_root / 'imagenet' / 'train'}", f"train.output_dir={out}", "train.max_steps=2"]
     overrides += ["data.image_size=16", "train.batch_size=8", "method.queue_size=64", "method.bn_splits=2"]
-    overrides += ["model.arch=resnet18_0.25x"]
+    overrides += [f"model.arch={BRIEF_ARCH}"]  # the quarter-width ResNet-18
     train(load_config(REPO / "configs" / "pretrain" / "tiny_mocov2.yaml", overrides), Accelerator(cpu=True))
     return out
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from .io_scan import PACKAGES, REPO, raw_io, scan_project
+from .method_cases import NARROW
 
 WRITE_ALLOWED = {
     ("contrastive_transfer/cli.py", "os.replace"): "atomic_write's own rename of the temporary it created",
@@ -279,7 +280,7 @@ def _pretrain(synthetic_root: Path, out: Path) -> None:
     main(
         ["--config", str(REPO / "configs" / "pretrain" / "tiny_simclr.yaml")]
         + [f"data.root={synthetic_root / 'imagenet' / 'train'}", f"train.output_dir={out}", "train.max_steps=2"]
-        + ["knn.train_dir=null", "train.resume=none", "model.arch=resnet18_0.25x"]
+        + ["knn.train_dir=null", "train.resume=none", NARROW]
     )
 
 

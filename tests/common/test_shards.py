@@ -26,6 +26,8 @@ from transfer import knn, voc07_svm
 from transfer import shards as write_shards
 from transfer.datasets.readers import read_image_folder, read_voc_labels
 
+from ..method_cases import NARROW
+
 
 @pytest.fixture(scope="module")
 def sharded(synthetic_root, tmp_path_factory):
@@ -254,8 +256,7 @@ def _pretrain(root, out, *overrides):
     from pretrain.engine import train
 
     recipe = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "pretrain", "tiny_simclr.yaml")
-    narrow = "model.arch=resnet18_0.25x"  # the same order and losses at a tenth of the cost a step
-    cfg = load_config(recipe, [f"data.root={root}", f"train.output_dir={out}", narrow, *overrides], 1)
+    cfg = load_config(recipe, [f"data.root={root}", f"train.output_dir={out}", NARROW, *overrides], 1)
     final = torch.load(train(cfg, Accelerator(cpu=True)), weights_only=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return final, {row["step"]: row["loss"] for row in rows if "loss" in row}

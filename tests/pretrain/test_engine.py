@@ -20,10 +20,9 @@ from pretrain.methods import METHODS
 from pretrain.models import SplitBatchNorm, build_backbone
 from pretrain.optim import LARS, lr_at
 
+from ..method_cases import NARROW
+
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
-# The tiny recipes' ResNet-18 at a quarter of its width: the same blocks, SplitBatchNorm and SyncBN
-# conversion, about ten times cheaper a step (the tests' trainings check mechanics, not learning).
-NARROW = "model.arch=resnet18_0.25x"
 TINY = sorted(p.stem for p in RECIPES.glob("tiny_*.yaml"))
 PAPER = sorted(p.stem for p in RECIPES.glob("*.yaml") if not p.stem.startswith(("_", "tiny_")))
 

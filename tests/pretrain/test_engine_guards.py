@@ -22,12 +22,9 @@ from pretrain.config import load_config
 from pretrain.engine import train
 from pretrain.knn import extract_features
 
+from ..method_cases import NARROW
+
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
-
-
-# The tiny recipes' ResNet-18 at a quarter of its width, about ten times cheaper a step: these runs
-# check the engine's guards, not what it learns.
-NARROW = "model.arch=resnet18_0.25x"
 
 
 def _cfg(recipe: str, root: Path, out: Path, *overrides: str):

@@ -54,7 +54,7 @@ from pretrain.losses import LOSSES, sample_negatives
 from pretrain.methods import METHODS
 from pretrain.methods import base as methods_base
 
-from ..method_cases import assert_tiny, loss_host, method_recipe, tiny_encoders
+from ..method_cases import NARROW, assert_tiny, loss_host, method_recipe, tiny_encoders
 from ..multiprocess_harness import WORLD, NaiveGather, Workers, assert_check_passed, ddp_average, rel_err
 
 pytestmark = pytest.mark.multiprocess
@@ -67,7 +67,7 @@ N = 4  # per-rank batch
 B = WORLD * N  # global batch
 SIZE = 8  # image side: with the small stem layer4 is 1×1 (BN statistics still span the N samples)
 # Quarter-width ResNet-18 (small stem) and the global batch B in the config (split over processes).
-OVERRIDES = ["model.arch=resnet18_0.25x", "model.stem=small", f"train.batch_size={B}", f"data.image_size={SIZE}"]
+OVERRIDES = [NARROW, "model.stem=small", f"train.batch_size={B}", f"data.image_size={SIZE}"]
 MOCO_OVERRIDES = OVERRIDES + [f"method.queue_size={2 * B}"]  # wraps around after 2 steps
 MOCO_STEPS = 3
 RTOL = 1e-5

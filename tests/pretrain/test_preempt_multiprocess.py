@@ -14,6 +14,7 @@ import torch
 
 from pretrain.checkpoint import LAST_NAME, read_training_state
 
+from ..method_cases import NARROW
 from .test_failsafe import training_state  # weights and optimizer moments, flattened
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -32,7 +33,7 @@ def launch(target: list[str], out: Path, root: Path, **env: str) -> tuple[subpro
         f"data.root={root / 'imagenet' / 'train'}",
         f"train.output_dir={out}",
         *("train.batch_size=8", "train.max_steps=6", "train.checkpoint_every=100", "train.log_with=none"),
-        "model.arch=resnet18_0.25x",
+        NARROW,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
     with open(log, "w") as f:  # a session of its own: a timeout kills torchrun with its workers

@@ -25,6 +25,8 @@ from pretrain.methods import METHODS
 from pretrain.models import SplitBatchNorm, momentum_update
 from pretrain.optim import LARS
 
+from ..method_cases import NARROW
+
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
 B, SIZE = 8, 16
 
@@ -32,8 +34,7 @@ B, SIZE = 8, 16
 def _method(recipe: str, *overrides: str):
     cfg = load_config(
         RECIPES / f"{recipe}.yaml",
-        [f"train.batch_size={B}", f"data.image_size={SIZE}", "method.dim=8", "model.stem=small"]
-        + ["model.arch=resnet18_0.25x", *overrides],  # a real ResNet-18 (SplitBatchNorm, BN), a quarter wide
+        [f"train.batch_size={B}", f"data.image_size={SIZE}", "method.dim=8", "model.stem=small"] + [NARROW, *overrides],
     )
     torch.manual_seed(0)
     return METHODS[cfg.method.name](cfg, 1).train(), cfg
