@@ -235,7 +235,8 @@ def _learning_plan(out: Path, request) -> None:
 
 
 def _detection(synthetic_root: Path, weights: Path, out: Path) -> None:
-    """Two iterations of the tiny VOC detection config, then its evaluation."""
+    """Two iterations of the tiny VOC detection config, then its evaluation (on VOC07 val, half the
+    test split: the run's writes are the same)."""
     pytest.importorskip("detectron2")
     from converters.to_detectron2 import convert
     from transfer.detection.__main__ import main
@@ -247,6 +248,7 @@ def _detection(synthetic_root: Path, weights: Path, out: Path) -> None:
         ["--config-file", str(REPO / "configs" / "detection" / "tiny_voc0712_R_18_FPN_syncbn.yaml")]
         + ["--data-root", str(synthetic_root), "MODEL.WEIGHTS", str(pkl), "OUTPUT_DIR", str(out)]
         + ["SOLVER.MAX_ITER", "2", "SOLVER.STEPS", "(1,)", "TEST.PRECISE_BN.ENABLED", "False"]
+        + ["DATASETS.TEST", "('voc_2007_val',)"]
     )
 
 
