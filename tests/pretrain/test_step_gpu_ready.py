@@ -34,7 +34,7 @@ B, SIZE = 8, 16
 def _method(recipe: str, *overrides: str):
     cfg = load_config(
         RECIPES / f"{recipe}.yaml",
-        [f"train.batch_size={B}", f"data.image_size={SIZE}", "method.dim=8", "model.stem=small"] + [NARROW, *overrides],
+        [f"train.batch_size={B}", f"data.image_size={SIZE}", "method.dim=8", "model.stem=small", NARROW, *overrides],
     )
     torch.manual_seed(0)
     return METHODS[cfg.method.name](cfg, 1).train(), cfg

@@ -2,7 +2,7 @@
 after training, AP50 on the synthetic test split clearly exceeds the AP50 of the same model before
 training. The COCO config runs a few iterations through COCOEvaluator (pycocotools): the trainer is
 the same, and its learning on the synthetic COCO is measured in benchmarks/tiny_recipes.md (200
-iterations, three times this module's CPU). Plus the multi-seed driver and two CPU processes
+iterations: about 170 s of CPU, as much as the rest of this module). Plus the multi-seed driver and two CPU processes
 (gloo, NaiveSyncBatchNorm, DDP without device ids)."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_the_coco_config_trains_and_is_judged_by_the_coco_evaluator(synthetic_ro
     assert any("SyncBN -> BN" in n for n in metrics["notices"])
     bbox = metrics["results"]["coco_2017_val"]["bbox"]
     assert {"AP", "AP50", "AP75", "APs", "APm", "APl"} <= set(bbox)
-    assert 0 <= bbox["AP"] <= bbox["AP50"] <= 100
+    assert all(0 <= bbox[k] <= 100 for k in ("AP", "AP50", "AP75"))  # APl: NaN, the val split has no large box
     assert (tmp_path / "model_final.pth").is_file() and (tmp_path / "training_metrics.json").is_file()
 
 

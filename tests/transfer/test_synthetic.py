@@ -209,7 +209,7 @@ def test_cli_rerun_is_a_noop_and_foreign_data_is_refused(tmp_path):
 # slow: a minute of training; marked so, its module is also scheduled among the first (tests/conftest.py)
 @pytest.mark.slow
 def test_class_is_in_the_pixels_a_trained_network_learns_it_a_random_one_does_not(synthetic_root):
-    """Issue 2: a ResNet-18 (detectron2-convertible 7×7 stem, 64 px) trained for 40 supervised
+    """Issue 2: a ResNet-18 (detectron2-convertible 7×7 stem, 64 px) trained for ``steps`` supervised
     steps separates the ImageNet-like classes in kNN on the val split; its random init does not.
     Measured (seed 0): random init 32 %; 40 steps 71 % (68 % with ATEN_CPU_CAPABILITY=default), as
     many as after 60; 30 steps 62 %."""
@@ -221,6 +221,7 @@ def test_class_is_in_the_pixels_a_trained_network_learns_it_a_random_one_does_no
     from pretrain.knn import knn_accuracy
     from pretrain.models import build_backbone
 
+    steps = 40
     train_dir, val_dir = synthetic_root / "imagenet" / "train", synthetic_root / "imagenet" / "val"
     torch.manual_seed(0)
     backbone, dim = build_backbone("resnet18", "imagenet")
@@ -235,18 +236,18 @@ def test_class_is_in_the_pixels_a_trained_network_learns_it_a_random_one_does_no
     loader = DataLoader(data, batch_size=32, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.Adam([*backbone.parameters(), *classifier.parameters()], lr=1e-3)
     step = 0
-    while step < 40:
+    while step < steps:
         for x, y in loader:
             loss = torch.nn.functional.cross_entropy(classifier(backbone(x)), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             step += 1
-            if step == 40:
+            if step == steps:
                 break
     trained = knn()
     print(
-        f"\nkNN top-1 on imagenet/val (10 classes, chance 10%): supervised 40 steps {trained:.1f}%, "
+        f"\nkNN top-1 on imagenet/val (10 classes, chance 10%): supervised {steps} steps {trained:.1f}%, "
         f"random init {random_init:.1f}%"
     )
     assert random_init < 40, "the class must not be readable by an untrained network"
