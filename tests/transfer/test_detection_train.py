@@ -2,8 +2,8 @@
 after training, AP50 on the synthetic test split clearly exceeds the AP50 of the same model before
 training. The COCO config runs a few iterations through COCOEvaluator (pycocotools): the trainer is
 the same, and its learning on the synthetic COCO is measured in benchmarks/tiny_recipes.md (200
-iterations: about 170 s of CPU, as much as the rest of this module). Plus the multi-seed driver and two CPU processes
-(gloo, NaiveSyncBatchNorm, DDP without device ids)."""
+iterations, about 170 s of CPU: as much as the rest of this module). Plus the multi-seed driver and
+two CPU processes (gloo, NaiveSyncBatchNorm, DDP without device ids)."""
 
 from __future__ import annotations
 
